@@ -1,0 +1,62 @@
+"""cachebroker: one asyncio-native broker for the memory budgets of every plugin.
+
+``await cache.acquire(key, load=..., size=...)`` returns a lease on a loaded
+value, loading it once and sharing it; when space runs short the broker asks
+the owning plugin to release idle values, awaits its acknowledgement, and only
+then hands the space to the requester.
+"""
+
+from __future__ import annotations
+
+from ._broker import Acquisition as Acquisition
+from ._broker import Broker as Broker
+from ._broker import Cache as Cache
+from ._broker import Lease as Lease
+from ._broker import Releaser as Releaser
+from ._errors import AcquireTimeout as AcquireTimeout
+from ._errors import BrokerClosed as BrokerClosed
+from ._errors import BrokerError as BrokerError
+from ._errors import DeadlockError as DeadlockError
+from ._errors import InvalidArgument as InvalidArgument
+from ._errors import InvalidKey as InvalidKey
+from ._errors import LeaseReleased as LeaseReleased
+from ._errors import LeasesOutstanding as LeasesOutstanding
+from ._errors import OutOfSpace as OutOfSpace
+from ._errors import ReleaseFailed as ReleaseFailed
+from ._errors import RequestTooLarge as RequestTooLarge
+from ._policy import LRU as LRU
+from ._policy import Policy as Policy
+from ._sizes import format_bytes as format_bytes
+from ._sizes import parse_bytes as parse_bytes
+from ._stats import EvictionReport as EvictionReport
+from ._stats import Stats as Stats
+
+try:
+    from ._version import __version__ as __version__
+except ImportError:  # pragma: no cover - running from a source tree without a build
+    __version__ = "0.0.0"
+
+__all__ = (
+    "LRU",
+    "AcquireTimeout",
+    "Acquisition",
+    "Broker",
+    "BrokerClosed",
+    "BrokerError",
+    "Cache",
+    "DeadlockError",
+    "EvictionReport",
+    "InvalidArgument",
+    "InvalidKey",
+    "Lease",
+    "LeaseReleased",
+    "LeasesOutstanding",
+    "OutOfSpace",
+    "Policy",
+    "ReleaseFailed",
+    "Releaser",
+    "RequestTooLarge",
+    "Stats",
+    "format_bytes",
+    "parse_bytes",
+)

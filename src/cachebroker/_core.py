@@ -1,0 +1,732 @@
+"""The sans-I/O bookkeeping: entries, spaces, waiters, grants and evictions.
+
+Nothing here awaits, sleeps or reads a clock. Every method is one synchronous
+step that updates the books and queues the work that must happen next
+(start this load, ask this owner to release, wake these waiters) in
+``Core.effects``; the async shell in ``_broker`` drains and performs it and
+reports the outcome back (``load_done``, ``release_done``, ...). Because the
+steps are deterministic, property-based tests and the simulator drive this
+class directly.
+
+Invariants kept after every step:
+
+* per space, ``used`` is the sum of the charges of every entry that is
+  ``loading``, ``ready``, ``releasing`` or ``quarantined``; ``used`` never
+  exceeds the budget except transiently after a load measured larger than it
+  declared, which is corrected by evicting at once;
+* ``releasing`` is the part of ``used`` whose release is in flight;
+  ``idle_bytes`` the part held by entries the policy may pick as victims;
+* a leased entry is never handed to the policy, so it is never a victim;
+* waiters are granted in arrival order within each space: a request never
+  overtakes an earlier one that shares a space with it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Hashable, Iterable, Mapping
+from typing import Any
+
+from ._errors import BrokerClosed, DeadlockError, InvalidArgument, RequestTooLarge
+from ._policy import Policy
+
+__all__ = ["Core", "Effect", "Entry", "Owner", "Reason", "Space", "State", "Ticket"]
+
+
+class State(enum.Enum):
+    """Life cycle of an entry. ``waiting`` is the part of loading spent queued for space."""
+
+    WAITING = "waiting"
+    LOADING = "loading"
+    READY = "ready"
+    RELEASING = "releasing"
+    QUARANTINED = "quarantined"
+    GONE = "gone"
+
+
+class Reason(enum.Enum):
+    """Why the broker asked an owner to release an entry."""
+
+    CAPACITY = "capacity"
+    IDLE = "idle"
+    INVALIDATE = "invalidate"
+    CLEAR = "clear"
+    CLOSE = "close"
+    UNRETAINED = "unretained"
+    REJECTED = "rejected"
+
+
+class Effect(enum.Enum):
+    """Work the shell must perform after a step."""
+
+    START_LOAD = "start_load"
+    CANCEL_LOAD = "cancel_load"
+    START_RELEASE = "start_release"
+    SETTLED = "settled"
+    QUARANTINED = "quarantined"
+    OWNER_EMPTY = "owner_empty"
+
+
+class Space:
+    """One memory budget and its books."""
+
+    __slots__ = ("budget", "capacity", "idle_bytes", "name", "releasing", "used")
+
+    def __init__(self, name: str, budget: int, *, bounded: bool) -> None:
+        self.name = name
+        self.budget = budget
+        # Unbounded (retention off) spaces admit everything; their books still add up.
+        self.capacity: float = budget if bounded else float("inf")
+        self.used = 0
+        self.releasing = 0
+        self.idle_bytes = 0
+
+    def fits(self, amount: int) -> bool:
+        return self.used + amount <= self.capacity
+
+
+class Owner:
+    """A cache: one releaser's namespace of keys."""
+
+    __slots__ = ("closing", "entries", "live", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        #: The current entry of each key (what an acquire of that key finds).
+        self.entries: dict[Hashable, Entry] = {}
+        #: Every entry of this owner not yet gone or quarantined.
+        self.live: set[Entry] = set()
+        self.closing = False
+
+
+class Ticket:
+    """One requester's claim on an entry that is not ready yet.
+
+    ``outcome`` is ``None`` while pending, ``True`` once a lease was granted to
+    it, or the exception it must raise.
+    """
+
+    __slots__ = ("entry", "outcome", "task")
+
+    def __init__(self, entry: Entry, task: object) -> None:
+        self.entry = entry
+        self.task = task
+        self.outcome: bool | BaseException | None = None
+
+
+class Entry:
+    """One cached (or soon cached) value and its books."""
+
+    __slots__ = (
+        "after",
+        "charge",
+        "doomed",
+        "error",
+        "holders",
+        "idle_seq",
+        "idle_since",
+        "joiners",
+        "key",
+        "leases",
+        "need",
+        "owner",
+        "shell",
+        "state",
+        "successor",
+        "value",
+    )
+
+    def __init__(self, owner: Owner, key: Hashable, need: dict[str, int]) -> None:
+        self.owner = owner
+        self.key = key
+        self.need = need
+        self.charge: dict[str, int] = {}
+        self.state = State.WAITING
+        self.leases = 0
+        self.holders: dict[object, int] = {}
+        self.joiners: list[Ticket] = []
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.idle_seq = 0
+        self.idle_since = 0.0
+        #: Why to release it when its last lease ends (invalidated, cleared, closing).
+        self.doomed: Reason | None = None
+        #: A releasing entry this one must wait for, and the reverse link.
+        self.after: Entry | None = None
+        self.successor: Entry | None = None
+        #: Slot for the async shell (events, cancel scopes); the core never reads it.
+        self.shell: Any = None
+
+    def __repr__(self) -> str:
+        return f"<Entry {self.owner.name}:{self.key!r} {self.state.value} leases={self.leases}>"
+
+
+class Core:
+    """The books of one broker. See the module docstring for the invariants."""
+
+    def __init__(
+        self,
+        budget: Mapping[str, int],
+        policy: Policy,
+        *,
+        idle_ttl: float | None = None,
+    ) -> None:
+        self.retain = any(amount > 0 for amount in budget.values())
+        self.spaces = {
+            name: Space(name, amount, bounded=self.retain) for name, amount in budget.items()
+        }
+        self.policy = policy
+        self.idle_ttl = idle_ttl
+        self.owners: dict[str, Owner] = {}
+        self.queue: dict[Entry, None] = {}
+        self.leased: dict[Entry, None] = {}
+        self.quarantined: dict[Entry, BaseException] = {}
+        self.effects: list[tuple[Effect, Any]] = []
+        self._overdrawn: set[str] = set()
+        self._expiry: list[tuple[float, int, Entry]] = []
+        self._seq = itertools.count(1)
+        self.closed = False
+        # Counters for stats().
+        self.hits = 0
+        self.misses = 0
+        self.loads = 0
+        self.load_failures = 0
+        self.load_seconds = 0.0
+        self.evictions: dict[Reason, int] = dict.fromkeys(Reason, 0)
+        self.releases_failed = 0
+
+    # ------------------------------------------------------------------ owners
+
+    def open_owner(self, name: str) -> Owner:
+        if self.closed:
+            raise BrokerClosed("the broker is closed")
+        if name in self.owners:
+            raise InvalidArgument(f"a cache named {name!r} is already open on this broker")
+        owner = self.owners[name] = Owner(name)
+        return owner
+
+    def close_owner(self, owner: Owner, error: BaseException) -> None:
+        """Start closing ``owner``: fail its waiters, cancel its loads, release its entries.
+
+        Leased entries are released when their last lease ends. ``OWNER_EMPTY``
+        is queued once nothing of the owner remains.
+        """
+        owner.closing = True
+        for entry in list(owner.live):
+            if entry.state in (State.WAITING, State.LOADING):
+                self._fail_joiners(entry, error)
+                if entry.state is State.WAITING:
+                    self._drop_waiting(entry)
+                else:
+                    entry.doomed = Reason.CLOSE
+                    self.effects.append((Effect.CANCEL_LOAD, entry))
+            elif entry.state is State.READY:
+                self._doom(entry, Reason.CLOSE)
+        self._check_empty(owner)
+        self._schedule()
+
+    def forget_owner(self, owner: Owner) -> None:
+        """Drop ``owner`` from the registry once its block has ended."""
+        if self.owners.get(owner.name) is owner:
+            del self.owners[owner.name]
+
+    # ---------------------------------------------------------------- acquire
+
+    def hit(self, entry: Entry, task: object) -> None:
+        """Lease a ready entry to ``task``."""
+        if entry.leases == 0:
+            self._unidle(entry)
+            self.leased[entry] = None
+        entry.leases += 1
+        holders = entry.holders
+        holders[task] = holders.get(task, 0) + 1
+        self.hits += 1
+
+    def request(self, owner: Owner, key: Hashable, need: dict[str, int], task: object) -> Ticket:
+        """Ask for ``key`` on behalf of ``task``; returns a ticket to wait on.
+
+        A ready entry is leased at once (``ticket.outcome is True``). Otherwise
+        the ticket joins the entry's load, creating the entry (and queueing it
+        for space) when there is none to join.
+
+        Raises:
+            RequestTooLarge: ``need`` exceeds a space's whole budget.
+            DeadlockError: only evicting ``task``'s own leases could make room.
+            BrokerClosed: the owner is closing.
+        """
+        if owner.closing:
+            raise BrokerClosed(f"cache {owner.name!r} is closed")
+        entry = owner.entries.get(key)
+        if entry is not None and entry.state is State.RELEASING:
+            entry = entry.successor
+        if entry is not None and entry.state is State.READY:
+            self.hit(entry, task)
+            ticket = Ticket(entry, task)
+            ticket.outcome = True
+            return ticket
+        if entry is None:
+            self._check_fit(need)
+            self._check_deadlock(owner, key, need, task)
+            entry = self._create(owner, key, need)
+        else:
+            if entry.state is State.WAITING:
+                self._check_deadlock(owner, key, entry.need, task)
+            self.hits += 1  # Joining a load in flight costs no load of its own.
+        ticket = Ticket(entry, task)
+        entry.joiners.append(ticket)
+        self._schedule()
+        return ticket
+
+    def _check_fit(self, need: Mapping[str, int]) -> None:
+        for name, amount in need.items():
+            space = self.spaces[name]
+            if amount > space.capacity:
+                raise RequestTooLarge(name, amount, space.budget)
+
+    def _create(self, owner: Owner, key: Hashable, need: dict[str, int]) -> Entry:
+        entry = Entry(owner, key, need)
+        current = owner.entries.get(key)
+        if current is not None and current.state is State.RELEASING:
+            entry.after = current
+            current.successor = entry
+        else:
+            owner.entries[key] = entry
+        owner.live.add(entry)
+        self.queue[entry] = None
+        self.misses += 1
+        return entry
+
+    def _check_deadlock(
+        self, owner: Owner, key: Hashable, need: Mapping[str, int], task: object
+    ) -> None:
+        if not self.leased or all(self.spaces[s].fits(n) for s, n in need.items()):
+            return
+        mine = [entry for entry in self.leased if task in entry.holders]
+        for name, amount in need.items():
+            pinned = [e for e in mine if name in e.charge]
+            space = self.spaces[name]
+            if pinned and amount > space.capacity - sum(e.charge[name] for e in pinned):
+                shown = [(e.owner.name, e.key) for e in pinned]
+                raise DeadlockError(
+                    f"acquiring {owner.name}:{key!r} needs {amount} bytes in space "
+                    f"{name!r}, which can only be freed by evicting entries leased by "
+                    f"the requesting task itself: {shown}; release them first",
+                    shown,
+                )
+
+    def leave(self, ticket: Ticket) -> None:
+        """Withdraw a pending ticket (its task was cancelled or timed out).
+
+        The last requester leaving a queued entry removes it; leaving a loading
+        entry cancels its load. A ticket already granted is left as it is: its
+        lease must be ended with ``lease_end``.
+        """
+        if ticket.outcome is not None:
+            return
+        ticket.outcome = BrokerClosed("request withdrawn")
+        entry = ticket.entry
+        entry.joiners.remove(ticket)
+        if entry.joiners:
+            return
+        if entry.state is State.WAITING:
+            self._drop_waiting(entry)
+            self._check_empty(entry.owner)
+            self._schedule()
+        elif entry.state is State.LOADING:
+            self.effects.append((Effect.CANCEL_LOAD, entry))
+
+    # ------------------------------------------------------------------ loads
+
+    def load_done(
+        self,
+        entry: Entry,
+        value: Any,
+        measured: dict[str, int] | None,
+        seconds: float,
+        now: float,
+        *,
+        error: BaseException | None = None,
+    ) -> None:
+        """Record a finished load; grant a lease to every joined ticket.
+
+        With ``error`` (the measured size could not be taken), or when the
+        measured size exceeds a space's whole budget, the joiners get the error
+        instead and the loaded value is released through its owner at once.
+        """
+        entry.value = value
+        entry.state = State.READY
+        self.loads += 1
+        self.load_seconds += seconds
+        if measured is not None and measured != entry.charge:
+            self._recharge(entry, measured)
+        rejected = error if error is not None else self._oversize(entry)
+        if rejected is not None:
+            self._fail_joiners(entry, rejected)
+        for ticket in entry.joiners:
+            ticket.outcome = True
+            entry.holders[ticket.task] = entry.holders.get(ticket.task, 0) + 1
+        entry.leases = len(entry.joiners)
+        entry.joiners = []
+        self.effects.append((Effect.SETTLED, entry))
+        if rejected is not None:
+            self._detach(entry)
+            self._start_release(entry, Reason.REJECTED)
+        elif entry.leases:
+            self.leased[entry] = None
+        else:
+            self._rest(entry, now)
+        self._schedule()
+
+    def load_failed(self, entry: Entry, error: BaseException, *, cancelled: bool = False) -> None:
+        """Record a failed or cancelled load: return its reservation, fail its joiners."""
+        if not cancelled:
+            self.load_failures += 1
+        self._fail_joiners(entry, error)
+        self._discharge(entry)
+        self._detach(entry)
+        self._gone(entry)
+        self._schedule()
+
+    def _recharge(self, entry: Entry, measured: dict[str, int]) -> None:
+        for name, amount in entry.charge.items():
+            self.spaces[name].used -= amount
+        entry.charge = measured
+        for name, amount in measured.items():
+            space = self.spaces[name]
+            space.used += amount
+            if space.used > space.capacity:
+                self._overdrawn.add(name)
+
+    def _oversize(self, entry: Entry) -> RequestTooLarge | None:
+        for name, amount in entry.charge.items():
+            space = self.spaces[name]
+            if amount > space.capacity:
+                return RequestTooLarge(name, amount, space.budget)
+        return None
+
+    # ----------------------------------------------------------------- leases
+
+    def lease_end(self, entry: Entry, task: object, now: float) -> None:
+        """End one lease of ``task`` on ``entry``."""
+        entry.leases -= 1
+        holders = entry.holders
+        count = holders.get(task, 0)
+        if count > 1:
+            holders[task] = count - 1
+        elif count:
+            del holders[task]
+        else:  # The lease was handed to another task: forget one of the holders.
+            other = next(iter(holders))
+            if holders[other] > 1:
+                holders[other] -= 1
+            else:
+                del holders[other]
+        if entry.leases == 0:
+            del self.leased[entry]
+            self._rest(entry, now)
+            if self.queue or self._overdrawn:
+                self._schedule()
+
+    def _rest(self, entry: Entry, now: float) -> None:
+        """An entry with no lease: keep it as an eviction candidate, or release it."""
+        if entry.doomed is not None:
+            self._start_release(entry, entry.doomed)
+            return
+        if entry.owner.closing or not self.retain:
+            self._start_release(entry, Reason.CLOSE if self.retain else Reason.UNRETAINED)
+            return
+        entry.idle_seq = next(self._seq)
+        entry.idle_since = now
+        for name, amount in entry.charge.items():
+            self.spaces[name].idle_bytes += amount
+        self.policy.idle(entry)
+        if self.idle_ttl is not None:
+            heapq.heappush(self._expiry, (now + self.idle_ttl, entry.idle_seq, entry))
+
+    def _unidle(self, entry: Entry) -> None:
+        self.policy.busy(entry)
+        for name, amount in entry.charge.items():
+            self.spaces[name].idle_bytes -= amount
+        entry.idle_seq = 0
+
+    # --------------------------------------------------------------- releases
+
+    def _start_release(self, entry: Entry, reason: Reason) -> None:
+        if entry.idle_seq:
+            self._unidle(entry)
+        entry.state = State.RELEASING
+        for name, amount in entry.charge.items():
+            self.spaces[name].releasing += amount
+        self.evictions[reason] += 1
+        self.effects.append((Effect.START_RELEASE, (entry, reason)))
+
+    def release_done(self, entry: Entry) -> None:
+        """The owner acknowledged the release ("freed"): the bytes come back.
+
+        Also accepted for a quarantined entry whose late acknowledgement arrived.
+        """
+        if entry.state is State.RELEASING:
+            for name, amount in entry.charge.items():
+                self.spaces[name].releasing -= amount
+        elif entry.state is State.QUARANTINED:
+            del self.quarantined[entry]
+        else:
+            return
+        self._discharge(entry)
+        self._hand_over(entry)
+        self._gone(entry)
+        self._schedule()
+
+    def release_failed(self, entry: Entry, error: BaseException) -> None:
+        """The release raised or timed out: the bytes stay charged, the entry is quarantined."""
+        if entry.state is not State.RELEASING:
+            return
+        for name, amount in entry.charge.items():
+            self.spaces[name].releasing -= amount
+        self.releases_failed += 1
+        entry.error = error
+        self._hand_over(entry)
+        self._gone(entry)
+        entry.state = State.QUARANTINED
+        self.quarantined[entry] = error
+        self.effects.append((Effect.QUARANTINED, entry))
+        self._schedule()
+
+    def forget(self, entry: Entry) -> None:
+        """Write off a quarantined entry: the operator says its memory is free."""
+        if entry.state is State.QUARANTINED:
+            del self.quarantined[entry]
+            self._discharge(entry)
+            entry.state = State.GONE
+            self._schedule()
+
+    def _hand_over(self, entry: Entry) -> None:
+        """A finished release lets the key's successor (if any) take the slot."""
+        owner = entry.owner
+        if owner.entries.get(entry.key) is entry:
+            successor = entry.successor
+            if successor is None:
+                del owner.entries[entry.key]
+            else:
+                owner.entries[entry.key] = successor
+                successor.after = None
+        entry.successor = None
+
+    # ----------------------------------------------------- invalidate / sweep
+
+    def invalidate(self, owner: Owner, key: Hashable) -> bool:
+        """Drop ``key``'s value: released now if idle, else when its last lease ends.
+
+        Returns whether there was a loaded (or loading) value to drop.
+        """
+        entry = owner.entries.get(key)
+        if entry is None or entry.state not in (State.READY, State.LOADING):
+            return False
+        self._detach(entry)
+        if entry.state is State.LOADING:
+            entry.doomed = Reason.INVALIDATE
+        else:
+            self._doom(entry, Reason.INVALIDATE)
+        self._schedule()
+        return True
+
+    def sweep(self, now: float) -> list[Entry]:
+        """Release every entry idle for at least the idle TTL; return them."""
+        expired: list[Entry] = []
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, seq, entry = heapq.heappop(heap)
+            if entry.idle_seq == seq and entry.state is State.READY:
+                self._start_release(entry, Reason.IDLE)
+                expired.append(entry)
+        if expired:
+            self._schedule()
+        return expired
+
+    def next_expiry(self) -> float | None:
+        """When the next idle entry expires, or ``None`` when none can."""
+        heap = self._expiry
+        while heap and (heap[0][2].idle_seq != heap[0][1] or heap[0][2].state is not State.READY):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def clear(self) -> int:
+        """Release every ready entry (leased ones when their last lease ends)."""
+        count = 0
+        for owner in list(self.owners.values()):
+            for entry in list(owner.entries.values()):
+                if entry.state is State.READY:
+                    self._detach(entry)
+                    self._doom(entry, Reason.CLEAR)
+                    count += 1
+        self._schedule()
+        return count
+
+    def _doom(self, entry: Entry, reason: Reason) -> None:
+        if entry.leases:
+            entry.doomed = reason
+        else:
+            self._start_release(entry, reason)
+
+    # ------------------------------------------------------------- scheduling
+
+    def _schedule(self) -> None:
+        """Grant queued requests that fit and evict for those that can be covered.
+
+        Walks the queue in arrival order. Per space, ``avail`` is the free bytes
+        plus those whose release is in flight, minus what earlier waiters have
+        already been promised. A waiter that fits ``avail`` is promised it (and
+        granted at once if it also fits the free bytes and nobody earlier in
+        its spaces still waits); one that does not is covered by asking the
+        policy for victims, but only when idle entries can cover the whole
+        shortfall: releasing values that would not let anyone in is waste.
+        A waiter that cannot be covered blocks its spaces for those behind it.
+        """
+        if self._overdrawn:
+            self._repay()
+        if not self.queue:
+            return
+        promised: dict[str, int] = {}
+        unfinished: set[str] = set()
+        blocked: set[str] = set()
+        spaces = self.spaces
+        for entry in list(self.queue):
+            need = entry.need
+            if not blocked.isdisjoint(need):
+                blocked.update(need)
+                continue
+            shortfall = {
+                name: short
+                for name, amount in need.items()
+                if (short := amount - self._avail(spaces[name], promised)) > 0
+            }
+            if shortfall and not self._evict(shortfall):
+                blocked.update(need)
+                continue
+            if (
+                entry.after is None
+                and unfinished.isdisjoint(need)
+                and all(spaces[name].fits(amount) for name, amount in need.items())
+            ):
+                self._grant(entry)
+            else:
+                for name, amount in need.items():
+                    promised[name] = promised.get(name, 0) + amount
+                unfinished.update(need)
+
+    def _avail(self, space: Space, promised: Mapping[str, int]) -> float:
+        return space.capacity - space.used + space.releasing - promised.get(space.name, 0)
+
+    def _evict(self, shortfall: dict[str, int], *, partial: bool = False) -> bool:
+        """Start releasing victims that cover ``shortfall``; False if impossible."""
+        spaces = self.spaces
+        coverable = all(spaces[name].idle_bytes >= short for name, short in shortfall.items())
+        if not coverable and not partial:
+            return False
+        victims = self.policy.victims(shortfall)
+        freed = dict.fromkeys(shortfall, 0)
+        for victim in victims:
+            if victim.leases or victim.state is not State.READY or not victim.idle_seq:
+                raise RuntimeError(f"policy chose {victim!r}, which is not an idle entry")
+            for name, amount in victim.charge.items():
+                if name in freed:
+                    freed[name] += amount
+        if not partial and any(freed[name] < short for name, short in shortfall.items()):
+            return False
+        for victim in victims:
+            self._start_release(victim, Reason.CAPACITY)
+        return True
+
+    def _repay(self) -> None:
+        """Evict for spaces driven over budget by a load measured larger than declared."""
+        shortfall = {}
+        for name in list(self._overdrawn):
+            space = self.spaces[name]
+            if space.used <= space.capacity:
+                self._overdrawn.discard(name)
+            elif (short := space.used - space.releasing - space.capacity) > 0:
+                shortfall[name] = int(short)
+        if shortfall:
+            self._evict(shortfall, partial=True)
+
+    def _grant(self, entry: Entry) -> None:
+        del self.queue[entry]
+        entry.state = State.LOADING
+        entry.charge = entry.need
+        for name, amount in entry.need.items():
+            self.spaces[name].used += amount
+        self.effects.append((Effect.START_LOAD, entry))
+
+    # ---------------------------------------------------------------- helpers
+
+    def _fail_joiners(self, entry: Entry, error: BaseException) -> None:
+        for ticket in entry.joiners:
+            ticket.outcome = error
+        entry.joiners = []
+        self.effects.append((Effect.SETTLED, entry))
+
+    def _drop_waiting(self, entry: Entry) -> None:
+        del self.queue[entry]
+        if entry.after is not None:
+            entry.after.successor = None
+            entry.after = None
+        else:
+            self._detach(entry)
+        self._gone(entry)
+
+    def _detach(self, entry: Entry) -> None:
+        owner = entry.owner
+        if owner.entries.get(entry.key) is entry:
+            del owner.entries[entry.key]
+
+    def _discharge(self, entry: Entry) -> None:
+        for name, amount in entry.charge.items():
+            self.spaces[name].used -= amount
+
+    def _gone(self, entry: Entry) -> None:
+        entry.state = State.GONE
+        owner = entry.owner
+        owner.live.discard(entry)
+        self._check_empty(owner)
+
+    def _check_empty(self, owner: Owner) -> None:
+        if owner.closing and not owner.live:
+            self.effects.append((Effect.OWNER_EMPTY, owner))
+
+    # ------------------------------------------------------------------ views
+
+    def entries(self) -> Iterable[Entry]:
+        """Every entry known to the books, quarantined ones included."""
+        for owner in self.owners.values():
+            yield from owner.live
+        yield from self.quarantined
+
+    def check(self) -> None:
+        """Assert the invariants of the module docstring (for tests and debugging)."""
+        used = dict.fromkeys(self.spaces, 0)
+        releasing = dict.fromkeys(self.spaces, 0)
+        idle = dict.fromkeys(self.spaces, 0)
+        for entry in self.entries():
+            assert entry.state is not State.GONE, entry
+            for name, amount in entry.charge.items():
+                if entry.state is not State.WAITING:
+                    used[name] += amount
+                if entry.state is State.RELEASING:
+                    releasing[name] += amount
+                if entry.idle_seq:
+                    idle[name] += amount
+            if entry.state is State.WAITING:
+                assert entry in self.queue, entry
+                assert not entry.charge, entry
+            if entry.leases:
+                assert entry.state is State.READY and not entry.idle_seq, entry
+                assert sum(entry.holders.values()) == entry.leases, entry
+                assert entry in self.leased, entry
+        for name, space in self.spaces.items():
+            assert space.used == used[name], (name, space.used, used[name])
+            assert space.releasing == releasing[name], (name, space.releasing, releasing[name])
+            assert space.idle_bytes == idle[name], (name, space.idle_bytes, idle[name])
+            if name not in self._overdrawn:
+                assert space.used <= space.capacity, (name, space.used, space.capacity)

@@ -1,0 +1,96 @@
+"""The exception hierarchy: every error the broker raises derives from BrokerError.
+
+Errors about bad arguments also derive from the matching built-in
+(``ValueError``/``TypeError``) so callers can catch them either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+__all__ = [
+    "BrokerClosed",
+    "BrokerError",
+    "DeadlockError",
+    "InvalidArgument",
+    "InvalidKey",
+    "LeaseReleased",
+    "LeasesOutstanding",
+    "OutOfSpace",
+    "ReleaseFailed",
+    "RequestTooLarge",
+    "AcquireTimeout",
+]
+
+
+class BrokerError(Exception):
+    """Base class of every error raised by cachebroker."""
+
+
+class InvalidArgument(BrokerError, ValueError):
+    """An argument had the right type but a value the broker cannot use."""
+
+
+class InvalidKey(BrokerError, TypeError):
+    """A cache key was not hashable."""
+
+
+class OutOfSpace(BrokerError):
+    """Not enough memory for a load.
+
+    Loaders may raise it themselves to say that the device is full.
+    """
+
+
+class RequestTooLarge(OutOfSpace, InvalidArgument):
+    """A size exceeds the whole budget of a space: no eviction could ever fit it."""
+
+    def __init__(self, space: str, size: int, budget: int) -> None:
+        from ._sizes import format_bytes
+
+        super().__init__(
+            f"size {format_bytes(size)} in space {space!r} exceeds the space's whole "
+            f"budget of {format_bytes(budget)}"
+        )
+        self.space = space
+        self.size = size
+        self.budget = budget
+
+
+class DeadlockError(BrokerError, RuntimeError):
+    """A request could only be met by evicting entries leased by the requesting task."""
+
+    def __init__(self, message: str, leases: Sequence[tuple[str, Hashable]]) -> None:
+        super().__init__(message)
+        self.leases = tuple(leases)
+
+
+class AcquireTimeout(BrokerError, TimeoutError):
+    """``acquire(timeout=...)`` ran out of time waiting for space or for a load."""
+
+
+class BrokerClosed(BrokerError, RuntimeError):
+    """The broker or the cache was closed while, or before, the operation ran."""
+
+
+class ReleaseFailed(BrokerError):
+    """A releaser raised or did not acknowledge within the release timeout."""
+
+
+class LeasesOutstanding(BrokerError, RuntimeError):
+    """A cache block was left while some of its entries were still leased."""
+
+    def __init__(self, cache: str, keys: Sequence[Hashable], waited: float) -> None:
+        shown = ", ".join(repr(k) for k in list(keys)[:10])
+        more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
+        super().__init__(
+            f"cache {cache!r} was closed with {len(keys)} entr"
+            f"{'y' if len(keys) == 1 else 'ies'} still leased after waiting "
+            f"{waited:g}s: {shown}{more}; their values were not released"
+        )
+        self.cache = cache
+        self.keys = tuple(keys)
+
+
+class LeaseReleased(BrokerError, RuntimeError):
+    """The value of a lease was used after the lease was released."""

@@ -1,0 +1,37 @@
+"""Stable structlog event names, the broker's log catalogue.
+
+Every event is logged by the async shell through one logger named
+``"cachebroker"``; fields always include ``cache`` and ``key`` where an entry
+is concerned. The names are part of the public contract: dashboards and
+alerts may match on them.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+HIT: Final = "cachebroker.hit"
+MISS: Final = "cachebroker.miss"
+WAIT: Final = "cachebroker.wait"
+GRANT: Final = "cachebroker.grant"
+LOAD_START: Final = "cachebroker.load.start"
+LOAD_DONE: Final = "cachebroker.load.done"
+LOAD_FAILED: Final = "cachebroker.load.failed"
+LOAD_CANCELLED: Final = "cachebroker.load.cancelled"
+RELEASE_REQUESTED: Final = "cachebroker.release.requested"
+RELEASE_FREED: Final = "cachebroker.release.freed"
+RELEASE_FAILED: Final = "cachebroker.release.failed"
+
+ALL: Final = (
+    HIT,
+    MISS,
+    WAIT,
+    GRANT,
+    LOAD_START,
+    LOAD_DONE,
+    LOAD_FAILED,
+    LOAD_CANCELLED,
+    RELEASE_REQUESTED,
+    RELEASE_FREED,
+    RELEASE_FAILED,
+)

@@ -1,0 +1,138 @@
+"""Parsing of byte quantities ("24GiB"), budgets and per-entry size specs.
+
+Everything user-supplied about bytes goes through here, so every malformed
+value fails the same way: an ``InvalidArgument`` (a ``ValueError``) or a
+``TypeError`` whose message names what was wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+from ._errors import InvalidArgument
+
+__all__ = ["DEFAULT_SPACE", "format_bytes", "parse_budget", "parse_bytes", "parse_size"]
+
+DEFAULT_SPACE = "default"
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_QUANTITY = re.compile(r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)\s*$")
+
+
+def parse_bytes(value: object, *, what: str = "size") -> int:
+    """Return ``value`` as a whole, non-negative number of bytes.
+
+    Accepts an ``int`` or a string such as ``"512MiB"``, ``"1.5GiB"``, ``"24GB"``
+    (decimal units are powers of 1000, binary ``KiB``/``MiB``/``GiB``/``TiB``
+    powers of 1024) or ``"1024"``.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be a number of bytes or a string like '24GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgument(f"{what} must not be negative, got {value}")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0 or not value.is_integer():
+            raise InvalidArgument(f"{what} must be a whole, non-negative number of bytes, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        match = _QUANTITY.match(value)
+        unit = match.group("unit").lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise InvalidArgument(
+                f"{what} {value!r} is not a byte quantity; expected a number with an "
+                "optional unit such as '512MiB', '24GiB' or '1.5GB'"
+            )
+        return round(float(match.group("num")) * _UNITS[unit])
+    raise TypeError(
+        f"{what} must be an int or a string like '24GiB', got {type(value).__name__} {value!r}"
+    )
+
+
+def parse_budget(budget: object) -> dict[str, int]:
+    """Return the budget as a mapping of space name to bytes.
+
+    A single quantity means one space named ``"default"``.
+    """
+    if isinstance(budget, Mapping):
+        if not budget:
+            raise InvalidArgument("budget mapping must name at least one space")
+        spaces: dict[str, int] = {}
+        for name, amount in budget.items():
+            _check_space_name(name)
+            spaces[name] = parse_bytes(amount, what=f"budget of space {name!r}")
+        return spaces
+    return {DEFAULT_SPACE: parse_bytes(budget, what="budget")}
+
+
+def parse_size(size: object, spaces: Mapping[str, int]) -> dict[str, int]:
+    """Return a declared entry size as a mapping of space name to bytes.
+
+    ``None`` declares nothing (an empty mapping). A plain quantity is charged
+    to the ``"default"`` space, or to the only space when there is one.
+    Unknown space names are rejected with the list of known ones.
+    """
+    if size is None:
+        return {}
+    if isinstance(size, Mapping):
+        charge: dict[str, int] = {}
+        for name, amount in size.items():
+            _check_space_name(name, what="size")
+            _check_known(name, spaces)
+            amount = parse_bytes(amount, what=f"size in space {name!r}")
+            if amount:
+                charge[name] = amount
+        return charge
+    amount = parse_bytes(size)
+    space = _single_space(spaces)
+    return {space: amount} if amount else {}
+
+
+def _single_space(spaces: Mapping[str, int]) -> str:
+    if DEFAULT_SPACE in spaces:
+        return DEFAULT_SPACE
+    if len(spaces) == 1:
+        return next(iter(spaces))
+    raise InvalidArgument(
+        "a plain size needs a 'default' space or a single-space budget; this broker "
+        f"has spaces {sorted(spaces)}: give the size as a mapping, e.g. "
+        f"{{{sorted(spaces)[0]!r}: '1GiB'}}"
+    )
+
+
+def _check_known(name: str, spaces: Mapping[str, int]) -> None:
+    if name not in spaces:
+        raise InvalidArgument(f"unknown space {name!r}; the budget has spaces {sorted(spaces)}")
+
+
+def _check_space_name(name: object, *, what: str = "budget") -> None:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{what} space names must be non-empty strings, got {name!r}")
+
+
+def format_bytes(amount: int) -> str:
+    """Format a byte count with the largest binary unit that keeps it readable."""
+    value = float(amount)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{amount} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"

@@ -1,0 +1,75 @@
+"""Read-only snapshots the broker hands out: ``Stats`` and ``EvictionReport``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+__all__ = ["EvictionReport", "Stats"]
+
+
+@attrs.frozen(kw_only=True)
+class Stats:
+    """A consistent snapshot of the broker's books, taken in one step.
+
+    Attributes:
+        entries: Entries holding memory: loading, ready, releasing or quarantined.
+        used: Bytes charged per space (every entry holding memory counts).
+        budget: Budget per space; 0 everywhere means retention is off.
+        hits: Acquires served without a load of their own: by a ready entry, or
+            by joining a load already in flight.
+        misses: Acquires that created a new entry (and so a load).
+        loads: Loads that finished successfully.
+        load_failures: Loads that raised.
+        load_seconds: Total time spent in successful loads.
+        evictions: Entries released to make room or because they sat idle.
+        releases: Releases started, by reason (capacity, idle, invalidate, clear,
+            close, unretained, rejected).
+        releases_failed: Releases that raised or timed out (now quarantined).
+        waiting: Requests queued for space.
+        loading: Entries whose load is running.
+        ready: Entries loaded and usable (idle or leased).
+        leased: Entries with at least one lease.
+        releasing: Entries whose release is in flight.
+        quarantined: Entries whose release failed; their bytes stay charged.
+    """
+
+    entries: int
+    used: Mapping[str, int]
+    budget: Mapping[str, int]
+    hits: int
+    misses: int
+    loads: int
+    load_failures: int
+    load_seconds: float
+    evictions: int
+    releases: Mapping[str, int]
+    releases_failed: int
+    waiting: int
+    loading: int
+    ready: int
+    leased: int
+    releasing: int
+    quarantined: int
+
+    @property
+    def hit_ratio(self) -> float:
+        """Hits over all acquires (0.0 before the first acquire)."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+@attrs.frozen(kw_only=True)
+class EvictionReport:
+    """What an explicit sweep (``evict_idle``, ``clear``) released.
+
+    Attributes:
+        entries: Entries whose owners acknowledged the release.
+        bytes: Bytes freed by those releases, summed over spaces.
+        failed: Releases that raised or timed out (the entries are quarantined).
+    """
+
+    entries: int
+    bytes: int
+    failed: int = 0

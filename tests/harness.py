@@ -1,0 +1,93 @@
+"""A synchronous driver for the sans-I/O core, shared by the core's tests.
+
+It performs the core's effects by hand: loads and releases are recorded and
+completed when a test says so (or at once with ``instant=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+from cachebroker._core import Core, Effect, Entry, Reason, Ticket
+from cachebroker._policy import LRU, Policy
+
+
+class Harness:
+    def __init__(
+        self,
+        budget: Mapping[str, int],
+        *,
+        idle_ttl: float | None = None,
+        policy: Policy | None = None,
+        instant: bool = False,
+    ) -> None:
+        self.core = Core(budget, policy or LRU(), idle_ttl=idle_ttl)
+        self.owner = self.core.open_owner("p")
+        self.instant = instant
+        self.now = 0.0
+        self.loading: list[Entry] = []
+        self.releasing: list[Entry] = []
+        self.released: list[tuple[Hashable, Reason]] = []
+        self.cancelled: list[Entry] = []
+        self.settled: list[Entry] = []
+
+    def drain(self) -> None:
+        core = self.core
+        while core.effects:
+            effects, core.effects = core.effects, []
+            for kind, subject in effects:
+                if kind is Effect.START_LOAD:
+                    self.loading.append(subject)
+                    if self.instant:
+                        self.finish(subject)
+                elif kind is Effect.START_RELEASE:
+                    entry, reason = subject
+                    self.released.append((entry.key, reason))
+                    self.releasing.append(entry)
+                    if self.instant:
+                        self.ack(entry)
+                elif kind is Effect.CANCEL_LOAD:
+                    self.cancelled.append(subject)
+                elif kind is Effect.SETTLED:
+                    self.settled.append(subject)
+
+    def acquire(self, key: Hashable, size: int | Mapping[str, int] = 0, task: Any = "t") -> Ticket:
+        need = dict(size) if isinstance(size, Mapping) else ({"m": size} if size else {})
+        ticket = self.core.request(self.owner, key, need, task)
+        self.drain()
+        return ticket
+
+    def finish(self, entry: Entry, value: Any = None, measured: dict[str, int] | None = None) -> None:
+        self.loading.remove(entry)
+        self.core.load_done(entry, value if value is not None else f"v-{entry.key}", measured, 1.0, self.now)
+        self.drain()
+
+    def fail(self, entry: Entry, error: BaseException) -> None:
+        self.loading.remove(entry)
+        self.core.load_failed(entry, error)
+        self.drain()
+
+    def ack(self, entry: Entry) -> None:
+        self.releasing.remove(entry)
+        self.core.release_done(entry)
+        self.drain()
+
+    def refuse(self, entry: Entry, error: BaseException | None = None) -> None:
+        self.releasing.remove(entry)
+        self.core.release_failed(entry, error or RuntimeError("refused"))
+        self.drain()
+
+    def end(self, ticket: Ticket) -> None:
+        self.core.lease_end(ticket.entry, ticket.task, self.now)
+        self.drain()
+
+    def leave(self, ticket: Ticket) -> None:
+        self.core.leave(ticket)
+        self.drain()
+
+    def used(self, space: str = "m") -> int:
+        return self.core.spaces[space].used
+
+    def keys(self) -> set[Hashable]:
+        return set(self.owner.entries)
