@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import pytest
 import structlog
+import structlog.testing
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -34,3 +36,15 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
     if backend[1].get("use_uvloop"):
         pytest.importorskip("uvloop")
     return backend
+
+
+@pytest.fixture
+def events() -> Iterator[list[MutableMapping[str, Any]]]:
+    """Capture every structlog event the broker emits, debug ones included."""
+    previous = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            yield logs
+    finally:
+        structlog.configure(**previous)

@@ -58,9 +58,13 @@ class Harness:
         self.drain()
         return ticket
 
-    def finish(self, entry: Entry, value: Any = None, measured: dict[str, int] | None = None) -> None:
+    def finish(
+        self, entry: Entry, value: Any = None, measured: dict[str, int] | None = None
+    ) -> None:
         self.loading.remove(entry)
-        self.core.load_done(entry, value if value is not None else f"v-{entry.key}", measured, 1.0, self.now)
+        self.core.load_done(
+            entry, value if value is not None else f"v-{entry.key}", measured, 1.0, self.now
+        )
         self.drain()
 
     def fail(self, entry: Entry, error: BaseException) -> None:
@@ -89,5 +93,5 @@ class Harness:
     def used(self, space: str = "m") -> int:
         return self.core.spaces[space].used
 
-    def keys(self) -> set[Hashable]:
+    def cached_keys(self) -> set[Hashable]:
         return set(self.owner.entries)

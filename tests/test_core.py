@@ -49,7 +49,7 @@ def test_failed_load_fails_every_joiner_and_returns_space() -> None:
     h.fail(tickets[0].entry, error)
     assert all(t.outcome is error for t in tickets)
     assert h.used() == 0
-    assert "a" not in h.keys()  # not cached: the next acquire loads again
+    assert "a" not in h.cached_keys()  # not cached: the next acquire loads again
     h.acquire("a", 30)
     assert len(h.loading) == 1
 
@@ -108,7 +108,7 @@ def test_no_victims_asked_when_idle_entries_cannot_cover_shortfall() -> None:
     h.end(idle)
     h.acquire("c", 80, task=2)  # needs 60 more than free; only 30 idle
     assert not h.releasing
-    assert "b" in h.keys()
+    assert "b" in h.cached_keys()
 
 
 def test_size_above_whole_budget_fails_fast() -> None:
@@ -233,7 +233,7 @@ def test_invalidate_leased_entry_releases_at_last_lease_end() -> None:
     t = h.acquire("a", 30)
     assert h.core.invalidate(h.owner, "a") is True
     assert h.released == []
-    assert "a" not in h.keys()
+    assert "a" not in h.cached_keys()
     fresh = h.acquire("a", 30, task="u")
     assert fresh.entry is not t.entry
     h.end(t)

@@ -15,13 +15,14 @@ outcomes come back as further core steps.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import math
 import os
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, cast, overload, runtime_checkable
 
 import anyio
 import anyio.abc
@@ -41,7 +42,7 @@ from ._errors import (
     ReleaseFailed,
 )
 from ._policy import Policy, make_policy
-from ._sizes import format_bytes, parse_budget, parse_bytes, parse_size
+from ._sizes import parse_budget, parse_bytes, parse_size
 from ._stats import EvictionReport, Stats
 
 __all__ = ["Acquisition", "Broker", "Cache", "Lease", "Releaser"]
@@ -192,9 +193,7 @@ class Broker:
     # ------------------------------------------------------------ life cycle
 
     @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str] | None = None, **overrides: Any
-    ) -> Broker:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Broker:
         """Build a broker from ``CACHEBROKER_*`` environment variables.
 
         ``CACHEBROKER_BUDGET`` is required: ``"24GiB"`` or
@@ -262,7 +261,9 @@ class Broker:
             await tg.__aexit__(exc_type, exc, tb)
         return None
 
-    def cache(self, name: str, releaser: Releaser | ReleaseFunction) -> AbstractAsyncContextManager[Cache]:
+    def cache(
+        self, name: str, releaser: Releaser | ReleaseFunction
+    ) -> AbstractAsyncContextManager[Cache]:
         """Open a plugin's view of the broker: ``async with broker.cache(name, releaser) as cache``.
 
         The block runs a task group in which this cache's loads and releases
@@ -376,7 +377,7 @@ class Broker:
     def _start_load(self, entry: Entry) -> None:
         cache = self._caches[entry.owner]
         self._log.debug(ev.GRANT, cache=cache.name, key=entry.key, bytes=dict(entry.charge))
-        cache._tg.start_soon(self._run_load, entry, name=f"cachebroker load {cache.name}:{entry.key!r}")
+        cache._spawn(self._run_load, entry, name=f"cachebroker load {cache.name}:{entry.key!r}")
 
     async def _run_load(self, entry: Entry) -> None:
         slot: _Slot = entry.shell
@@ -456,14 +457,16 @@ class Broker:
             reason=reason.value,
             bytes=dict(entry.charge),
         )
-        cache._tg.start_soon(self._run_release, cache, entry, name=f"cachebroker release {cache.name}:{entry.key!r}")
+        cache._spawn(
+            self._run_release, cache, entry, name=f"cachebroker release {cache.name}:{entry.key!r}"
+        )
 
     async def _run_release(self, cache: Cache, entry: Entry) -> None:
         core = self._core
         watchdog = anyio.CancelScope()
         released: anyio.Event = entry.shell.released
         if self._release_timeout is not None:
-            cache._tg.start_soon(self._watch_release, entry, watchdog, self._release_timeout)
+            cache._spawn(self._watch_release, entry, watchdog, self._release_timeout)
         try:
             await cache._release(entry.key, entry.value)
         except anyio.get_cancelled_exc_class():
@@ -482,7 +485,11 @@ class Broker:
             late = entry.state is State.QUARANTINED
             core.release_done(entry)
             self._log.info(
-                ev.RELEASE_FREED, cache=cache.name, key=entry.key, bytes=dict(entry.charge), late=late
+                ev.RELEASE_FREED,
+                cache=cache.name,
+                key=entry.key,
+                bytes=dict(entry.charge),
+                late=late,
             )
         self._apply()
         released.set()
@@ -597,7 +604,18 @@ class Cache:
     left to release them.
     """
 
-    __slots__ = ("_broker", "_closed", "_empty", "_entries", "_owner", "_release", "_shut_wait", "_tg", "name")
+    __slots__ = (
+        "_broker",
+        "_closed",
+        "_context",
+        "_empty",
+        "_entries",
+        "_owner",
+        "_release",
+        "_shut_wait",
+        "_tg",
+        "name",
+    )
 
     def __init__(
         self, broker: Broker, owner: Owner, release: ReleaseFunction, tg: anyio.abc.TaskGroup
@@ -611,18 +629,47 @@ class Cache:
         self._empty = anyio.Event()
         self._shut_wait = 0.0
         self.name = owner.name
+        # Loads and releases run in the plugin's own context (its contextvars),
+        # whichever task's request set them off.
+        self._context = contextvars.copy_context()
+
+    def _spawn(
+        self, func: Callable[..., Awaitable[Any]], *args: Any, name: str | None = None
+    ) -> None:
+        start_soon = cast(Callable[..., None], self._tg.start_soon)
+        self._context.run(start_soon, func, *args, name=name)
 
     def __repr__(self) -> str:
         return f"<Cache {self.name!r} entries={len(self._owner.live)}>"
+
+    @overload
+    def acquire(
+        self,
+        key: Hashable,
+        *,
+        load: Callable[[], Awaitable[T]],
+        size: SizeSpec = None,
+        timeout: float | None = None,
+    ) -> Acquisition[T]: ...
+
+    @overload
+    def acquire(
+        self,
+        key: Hashable,
+        *,
+        load: Callable[[], T],
+        size: SizeSpec = None,
+        timeout: float | None = None,
+    ) -> Acquisition[T]: ...
 
     def acquire(
         self,
         key: Hashable,
         *,
-        load: Callable[[], Awaitable[T]] | Callable[[], T],
+        load: Callable[[], Any],
         size: SizeSpec = None,
         timeout: float | None = None,
-    ) -> Acquisition[T]:
+    ) -> Acquisition[Any]:
         """Lease the value of ``key``, loading it first if needed.
 
         Use as ``lease = await cache.acquire(...)`` (then ``await
@@ -676,7 +723,9 @@ class Cache:
         try:
             return self._entries.get(key)
         except TypeError:
-            raise InvalidKey(f"cache keys must be hashable, got {type(key).__name__} {key!r}") from None
+            raise InvalidKey(
+                f"cache keys must be hashable, got {type(key).__name__} {key!r}"
+            ) from None
 
     async def _acquire(
         self, key: Hashable, load: Callable[[], Any], size: SizeSpec, timeout: float | None
@@ -686,7 +735,9 @@ class Cache:
             broker = self._broker
             if broker._checkpoint is not None:
                 await broker._checkpoint()
-                if entry.state is not State.READY:
+                # Other tasks may have run during the checkpoint: look again.
+                entry = self._entries.get(key)
+                if entry is None or entry.state is not State.READY or self._owner.closing:
                     return await self._acquire_slow(key, load, size, timeout)
             task = broker._current_task()
             broker._core.hit(entry, task)
@@ -930,4 +981,3 @@ def _parse_env_ttl(raw: str) -> float | None:
 def _parse_env_policy(raw: str) -> str:
     make_policy(raw.strip())
     return raw.strip()
-

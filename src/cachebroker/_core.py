@@ -35,6 +35,10 @@ from ._policy import Policy
 __all__ = ["Core", "Effect", "Entry", "Owner", "Reason", "Space", "State", "Ticket"]
 
 
+#: The capacity of a space when retention is off: more bytes than any machine has.
+UNBOUNDED = 1 << 80
+
+
 class State(enum.Enum):
     """Life cycle of an entry. ``waiting`` is the part of loading spent queued for space."""
 
@@ -78,7 +82,7 @@ class Space:
         self.name = name
         self.budget = budget
         # Unbounded (retention off) spaces admit everything; their books still add up.
-        self.capacity: float = budget if bounded else float("inf")
+        self.capacity = budget if bounded else UNBOUNDED
         self.used = 0
         self.releasing = 0
         self.idle_bytes = 0
@@ -371,7 +375,6 @@ class Core:
         entry.joiners = []
         self.effects.append((Effect.SETTLED, entry))
         if rejected is not None:
-            self._detach(entry)
             self._start_release(entry, Reason.REJECTED)
         elif entry.leases:
             self.leased[entry] = None
@@ -524,8 +527,8 @@ class Core:
         entry = owner.entries.get(key)
         if entry is None or entry.state not in (State.READY, State.LOADING):
             return False
-        self._detach(entry)
         if entry.state is State.LOADING:
+            self._detach(entry)
             entry.doomed = Reason.INVALIDATE
         else:
             self._doom(entry, Reason.INVALIDATE)
@@ -558,14 +561,20 @@ class Core:
         for owner in list(self.owners.values()):
             for entry in list(owner.entries.values()):
                 if entry.state is State.READY:
-                    self._detach(entry)
                     self._doom(entry, Reason.CLEAR)
                     count += 1
         self._schedule()
         return count
 
     def _doom(self, entry: Entry, reason: Reason) -> None:
+        """Release ``entry`` now, or, while leased, when its last lease ends.
+
+        An idle entry keeps its key's slot while releasing, so a new acquire
+        waits for the release before loading afresh. A leased one gives the
+        slot up at once: new acquires must not wait on other tasks' leases.
+        """
         if entry.leases:
+            self._detach(entry)
             entry.doomed = reason
         else:
             self._start_release(entry, reason)
@@ -616,7 +625,7 @@ class Core:
                     promised[name] = promised.get(name, 0) + amount
                 unfinished.update(need)
 
-    def _avail(self, space: Space, promised: Mapping[str, int]) -> float:
+    def _avail(self, space: Space, promised: Mapping[str, int]) -> int:
         return space.capacity - space.used + space.releasing - promised.get(space.name, 0)
 
     def _evict(self, shortfall: dict[str, int], *, partial: bool = False) -> bool:
@@ -641,13 +650,13 @@ class Core:
 
     def _repay(self) -> None:
         """Evict for spaces driven over budget by a load measured larger than declared."""
-        shortfall = {}
+        shortfall: dict[str, int] = {}
         for name in list(self._overdrawn):
             space = self.spaces[name]
             if space.used <= space.capacity:
                 self._overdrawn.discard(name)
             elif (short := space.used - space.releasing - space.capacity) > 0:
-                shortfall[name] = int(short)
+                shortfall[name] = short
         if shortfall:
             self._evict(shortfall, partial=True)
 

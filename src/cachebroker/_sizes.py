@@ -51,7 +51,9 @@ def parse_bytes(value: object, *, what: str = "size") -> int:
         return value
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0 or not value.is_integer():
-            raise InvalidArgument(f"{what} must be a whole, non-negative number of bytes, got {value!r}")
+            raise InvalidArgument(
+                f"{what} must be a whole, non-negative number of bytes, got {value!r}"
+            )
         return int(value)
     if isinstance(value, str):
         match = _QUANTITY.match(value)
