@@ -28,6 +28,10 @@ BACKENDS = [
     pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
     pytest.param(("trio", {}), id="trio"),
 ]
+# CACHEBROKER_TEST_BACKENDS=trio (or a comma list) narrows the run, e.g. for nox.
+_chosen = os.environ.get("CACHEBROKER_TEST_BACKENDS")
+if _chosen:
+    BACKENDS = [p for p in BACKENDS if p.id in _chosen.split(",")]
 
 
 @pytest.fixture(params=BACKENDS)

@@ -6,8 +6,6 @@ the owning plugin to release idle values, awaits its acknowledgement, and only
 then hands the space to the requester.
 """
 
-from __future__ import annotations
-
 from ._broker import Acquisition as Acquisition
 from ._broker import Broker as Broker
 from ._broker import Cache as Cache

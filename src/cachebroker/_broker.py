@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import logging
 import math
 import os
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Hashable, Mapping
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar, cast, overload, runtime_checkable
@@ -187,6 +188,9 @@ class Broker:
         self._running = False
         self._current_task: Callable[[], object] = _unstarted_task
         self._checkpoint: Callable[[], Awaitable[None]] | None = None
+        # Whether debug events (hit, miss, wait, grant) are emitted at all: the hit
+        # path skips building the event when the logger would drop it.
+        self._trace = True
         self._sweep_at: float | None = None
         self._sweep_wake: anyio.Event | None = None
 
@@ -233,6 +237,7 @@ class Broker:
         if self._user_clock is None:
             self._clock = _loop_clock(backend)
         self._log = (self._logger or structlog.get_logger("cachebroker")).bind()
+        self._trace = _debug_enabled(self._log)
         self._sweep_wake = anyio.Event()
         tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -727,22 +732,27 @@ class Cache:
                 f"cache keys must be hashable, got {type(key).__name__} {key!r}"
             ) from None
 
+    def _hit(self, key: Hashable) -> Lease[Any] | None:
+        """Lease ``key`` if it is ready, in one synchronous step; else ``None``."""
+        entry = self._find(key)
+        if entry is None or entry.state is not State.READY or self._owner.closing:
+            return None
+        broker = self._broker
+        task = broker._current_task()
+        broker._core.hit(entry, task)
+        if broker._trace:
+            broker._log.debug(ev.HIT, cache=self.name, key=key)
+        return Lease(entry, broker, task)
+
     async def _acquire(
         self, key: Hashable, load: Callable[[], Any], size: SizeSpec, timeout: float | None
     ) -> Lease[Any]:
-        entry = self._find(key)
-        if entry is not None and entry.state is State.READY and not self._owner.closing:
-            broker = self._broker
-            if broker._checkpoint is not None:
-                await broker._checkpoint()
-                # Other tasks may have run during the checkpoint: look again.
-                entry = self._entries.get(key)
-                if entry is None or entry.state is not State.READY or self._owner.closing:
-                    return await self._acquire_slow(key, load, size, timeout)
-            task = broker._current_task()
-            broker._core.hit(entry, task)
-            broker._log.debug(ev.HIT, cache=self.name, key=key)
-            return Lease(entry, broker, task)
+        checkpoint = self._broker._checkpoint
+        if checkpoint is not None:
+            await checkpoint()
+        lease = self._hit(key)
+        if lease is not None:
+            return lease
         return await self._acquire_slow(key, load, size, timeout)
 
     async def _acquire_slow(
@@ -843,15 +853,20 @@ class Acquisition(Generic[T_co]):
         self._timeout = timeout
         self._lease: Lease[Any] | None = None
 
-    def __await__(self) -> Any:
-        return self._cache._acquire(self._key, self._load, self._size, self._timeout).__await__()
+    def __await__(self) -> Generator[Any, Any, Lease[T_co]]:
+        cache = self._cache
+        if cache._broker._checkpoint is None:
+            # asyncio: a hit is served in this step, without building a coroutine.
+            lease = cache._hit(self._key)
+            if lease is not None:
+                return lease
+        acquiring = cache._acquire(self._key, self._load, self._size, self._timeout)
+        return (yield from acquiring.__await__())
 
     async def __aenter__(self) -> Lease[T_co]:
         if self._lease is not None:
             raise RuntimeError("this acquire(...) was already entered; call acquire() again")
-        lease = self._lease = await self._cache._acquire(
-            self._key, self._load, self._size, self._timeout
-        )
+        lease = self._lease = await self
         return lease
 
     async def __aexit__(
@@ -926,6 +941,18 @@ def _positive_seconds(value: object, what: str) -> float | None:
     if not math.isfinite(value) or value <= 0:
         raise InvalidArgument(f"{what} must be a positive number of seconds or None, got {value!r}")
     return float(value)
+
+
+def _debug_enabled(log: Any) -> bool:
+    is_enabled_for = getattr(log, "is_enabled_for", None)  # structlog's filtering loggers
+    if is_enabled_for is None:
+        is_enabled_for = getattr(log, "isEnabledFor", None)  # stdlib-backed loggers
+    if is_enabled_for is None:
+        return True
+    try:
+        return bool(is_enabled_for(logging.DEBUG))
+    except Exception:  # a custom logger with another signature: keep every event
+        return True
 
 
 def _loop_clock(backend: str) -> Callable[[], float]:
