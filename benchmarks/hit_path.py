@@ -31,6 +31,7 @@ async def make_contenders(backend: str) -> tuple[dict[str, Bench], Any]:
     contenders: dict[str, Bench] = {}
     broker = cachebroker.Broker(budget="1GiB")
     await broker.__aenter__()
+
     async def release(key: str, value: str) -> None:
         pass
 

@@ -9,6 +9,7 @@ import pytest
 from cachebroker.__main__ import main
 from cachebroker._demo import run_demo
 
+
 @pytest.mark.anyio
 async def test_demo_evicts_and_stays_within_budget() -> None:
     out = io.StringIO()
