@@ -338,6 +338,16 @@ async def test_plain_loader_runs_in_worker_thread() -> None:
     assert seen and seen[0] != loop_thread
 
 
+async def test_plain_loader_returning_coroutine_is_awaited() -> None:
+    async def load_model(name: str) -> str:
+        await anyio.lowlevel.checkpoint()
+        return f"model {name}"
+
+    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+        async with cache.acquire("k", load=lambda: load_model("k"), size=1) as lease:
+            assert lease.value == "model k"
+
+
 async def test_plain_function_releaser_is_accepted() -> None:
     freed: list[str] = []
 

@@ -399,9 +399,7 @@ class Broker:
                 if slot.is_async:
                     value = await slot.load()
                 else:
-                    # A thread cannot be interrupted: let it finish and keep what it made.
-                    with anyio.CancelScope(shield=True):
-                        value = await anyio.to_thread.run_sync(slot.load)
+                    value = await self._load_in_thread(slot.load)
             except anyio.get_cancelled_exc_class():
                 log.info(ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
                 core.load_failed(entry, BrokerClosed("the load was cancelled"), cancelled=True)
@@ -425,6 +423,22 @@ class Broker:
                 bytes=dict(entry.charge),
             )
             self._apply()
+
+    @staticmethod
+    async def _load_in_thread(load: Callable[[], Any]) -> Any:
+        # A thread cannot be interrupted: let it finish and keep what it made.
+        with anyio.CancelScope(shield=True):
+            # Boxed: trio refuses a thread function whose result is a coroutine.
+            (value,) = await anyio.to_thread.run_sync(lambda: (load(),))
+        if inspect.isawaitable(value):
+            # ``load=lambda: load_model(name)``: a plain callable handing back a coroutine.
+            try:
+                return await value
+            except BaseException:
+                if inspect.iscoroutine(value):
+                    value.close()
+                raise
+        return value
 
     def _measure(
         self, entry: Entry, slot: _Slot, value: Any
@@ -684,7 +698,9 @@ class Cache:
             key: Any hashable; keys are per cache.
             load: Called with no argument to make the value on a miss; an async
                 callable runs in this cache's task group, a plain one in a
-                worker thread. Concurrent acquires of one key share one load.
+                worker thread (an awaitable it returns, as from
+                ``lambda: load_model(name)``, is then awaited in the task
+                group). Concurrent acquires of one key share one load.
             size: What the value weighs: bytes or ``"3GiB"`` in the default
                 space, a mapping of space to bytes, or a callable taking the
                 loaded value and returning either (measured after the load,
