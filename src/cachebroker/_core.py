@@ -17,6 +17,7 @@ Invariants kept after every step:
 * ``releasing`` is the part of ``used`` whose release is in flight;
   ``idle_bytes`` the part held by entries the policy may pick as victims;
 * a leased entry is never handed to the policy, so it is never a victim;
+* an entry queued for space has at least one requester waiting on it;
 * waiters are granted in arrival order within each space: a request never
   overtakes an earlier one that shares a space with it.
 """
@@ -729,6 +730,7 @@ class Core:
             if entry.state is State.WAITING:
                 assert entry in self.queue, entry
                 assert not entry.charge, entry
+                assert entry.joiners, f"{entry!r} waits for space on behalf of nobody"
             if entry.leases:
                 assert entry.state is State.READY and not entry.idle_seq, entry
                 assert sum(entry.holders.values()) == entry.leases, entry
