@@ -16,6 +16,7 @@ outcomes come back as further core steps.
 from __future__ import annotations
 
 import contextvars
+import copy
 import inspect
 import logging
 import math
@@ -36,6 +37,7 @@ from ._core import Core, Effect, Entry, Owner, Reason, State, Ticket
 from ._errors import (
     AcquireTimeout,
     BrokerClosed,
+    DeadlockError,
     InvalidArgument,
     InvalidKey,
     LeaseReleased,
@@ -192,6 +194,7 @@ class Broker:
         # path skips building the event when the logger would drop it.
         self._trace = True
         self._sweep_at: float | None = None
+        self._releasing_tasks: set[object] = set()
         self._sweep_wake: anyio.Event | None = None
 
     # ------------------------------------------------------------ life cycle
@@ -306,6 +309,31 @@ class Broker:
         started = [entry for entry in before if entry.state is State.RELEASING]
         return await self._await_releases(started)
 
+    async def forget(self, cache: str, key: Hashable) -> int:
+        """Write off the quarantined entries of ``key`` in cache ``cache``.
+
+        A quarantined entry is one whose release raised or timed out; its bytes
+        stay charged because nobody knows whether the memory came back. Call
+        this once you have dealt with it (the process that held the memory is
+        gone, the device was reset): its bytes are returned to the budget and
+        waiting requests may be granted. Returns how many entries were written
+        off (0 when none is quarantined under that name and key). A release
+        that acknowledges after this changes nothing.
+        """
+        self._check_running()
+        core = self._core
+        written_off = [
+            entry for entry in core.quarantined if entry.owner.name == cache and entry.key == key
+        ]
+        for entry in written_off:
+            core.forget(entry)
+            self._log.warning(
+                ev.QUARANTINE_FORGOTTEN, cache=cache, key=key, bytes=dict(entry.charge)
+            )
+        self._apply()
+        await anyio.lowlevel.checkpoint()
+        return len(written_off)
+
     async def stats(self) -> Stats:
         """Return a snapshot of the books (a checkpoint, nothing else)."""
         await anyio.lowlevel.checkpoint()
@@ -339,6 +367,7 @@ class Broker:
             leased=len(core.leased),
             releasing=counts[State.RELEASING],
             quarantined=counts[State.QUARANTINED],
+            quarantined_keys=tuple((entry.owner.name, entry.key) for entry in core.quarantined),
         )
 
     # ------------------------------------------------------------ internals
@@ -482,24 +511,22 @@ class Broker:
 
     async def _run_release(self, cache: Cache, entry: Entry) -> None:
         core = self._core
+        slot: _Slot = entry.shell
         watchdog = anyio.CancelScope()
-        released: anyio.Event = entry.shell.released
         if self._release_timeout is not None:
             cache._spawn(self._watch_release, entry, watchdog, self._release_timeout)
+        task = self._current_task()
+        self._releasing_tasks.add(task)
         try:
             await cache._release(entry.key, entry.value)
         except anyio.get_cancelled_exc_class():
             core.release_failed(entry, ReleaseFailed("the release was cancelled"))
-            self._apply()
-            released.set()
             raise
         except Exception as exc:
-            watchdog.cancel()
             failure = ReleaseFailed(f"releasing {cache.name}:{entry.key!r} raised {exc!r}")
             failure.__cause__ = exc
             core.release_failed(entry, failure)
         else:
-            watchdog.cancel()
             entry.value = None
             late = entry.state is State.QUARANTINED
             core.release_done(entry)
@@ -510,8 +537,12 @@ class Broker:
                 bytes=dict(entry.charge),
                 late=late,
             )
-        self._apply()
-        released.set()
+        finally:
+            self._releasing_tasks.discard(task)
+            watchdog.cancel()
+            self._apply()
+            assert slot.released is not None
+            slot.released.set()
 
     async def _watch_release(self, entry: Entry, scope: anyio.CancelScope, timeout: float) -> None:
         with scope:
@@ -787,6 +818,15 @@ class Cache:
         core = broker._core
         ticket = core.request(self._owner, key, need, task)
         entry = ticket.entry
+        if entry.state is State.WAITING and task in broker._releasing_tasks:
+            core.leave(ticket)
+            broker._apply()
+            raise DeadlockError(
+                f"acquiring {self.name}:{key!r} from inside a release would wait for space, "
+                "and that space may be waiting for this very release; a releaser may only "
+                "acquire what is loaded or fits at once",
+                [],
+            )
         if ticket.outcome is True:
             broker._apply()
             broker._log.debug(ev.HIT, cache=self.name, key=key)
@@ -824,27 +864,23 @@ class Cache:
         if outcome is True:
             return Lease(entry, broker, ticket.task)
         assert isinstance(outcome, BaseException)
-        raise outcome
+        raise _own_copy(outcome)
 
     async def _shut(self, error: BaseException) -> list[Hashable]:
-        """Close this cache (see the class docstring); return keys still leased."""
+        """Close this cache (see the class docstring); return keys still leased.
+
+        Waits at most ``release_timeout`` for leases to end and releases to be
+        acknowledged; the caller then cancels what is left in the task group.
+        """
         broker = self._broker
-        core = broker._core
         owner = self._owner
         if not owner.closing:
-            core.close_owner(owner, error)
+            broker._core.close_owner(owner, error)
             broker._apply()
         started = broker._clock()
         limit = broker._release_timeout
         with anyio.move_on_after(math.inf if limit is None else limit):
             await self._empty.wait()
-        if not owner.live:
-            return []
-        # Give releases still in flight their own timeout, then report the leases.
-        with anyio.move_on_after(math.inf if limit is None else limit):
-            while any(e.state is State.RELEASING for e in owner.live):
-                released = [e.shell.released for e in owner.live if e.state is State.RELEASING]
-                await released[0].wait()
         self._shut_wait = broker._clock() - started
         return [entry.key for entry in owner.live if entry.leases]
 
@@ -957,6 +993,26 @@ def _positive_seconds(value: object, what: str) -> float | None:
     if not math.isfinite(value) or value <= 0:
         raise InvalidArgument(f"{what} must be a positive number of seconds or None, got {value!r}")
     return float(value)
+
+
+def _own_copy(error: BaseException) -> BaseException:
+    """The exception one waiter raises for a failure shared by several.
+
+    Every waiter of a failed load raises its own exception of the loader's
+    type and arguments, chained (``__cause__``) to the one the loader raised,
+    whose traceback shows where it failed. Raising one object in many tasks
+    would splice their tracebacks together. An exception that cannot be
+    copied faithfully is raised as it is.
+    """
+    try:
+        twin = copy.copy(error)
+    except Exception:
+        return error
+    if type(twin) is not type(error) or twin.args != error.args:
+        return error
+    twin.__cause__ = error if error.__traceback__ is not None else error.__cause__
+    twin.__traceback__ = None
+    return twin
 
 
 def _debug_enabled(log: Any) -> bool:

@@ -21,6 +21,7 @@ LOAD_CANCELLED: Final = "cachebroker.load.cancelled"
 RELEASE_REQUESTED: Final = "cachebroker.release.requested"
 RELEASE_FREED: Final = "cachebroker.release.freed"
 RELEASE_FAILED: Final = "cachebroker.release.failed"
+QUARANTINE_FORGOTTEN: Final = "cachebroker.quarantine.forgotten"
 
 ALL: Final = (
     HIT,
@@ -34,4 +35,5 @@ ALL: Final = (
     RELEASE_REQUESTED,
     RELEASE_FREED,
     RELEASE_FAILED,
+    QUARANTINE_FORGOTTEN,
 )

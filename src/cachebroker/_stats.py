@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 
 import attrs
 
@@ -33,6 +33,8 @@ class Stats:
         leased: Entries with at least one lease.
         releasing: Entries whose release is in flight.
         quarantined: Entries whose release failed; their bytes stay charged.
+        quarantined_keys: ``(cache, key)`` of each quarantined entry, for
+            ``Broker.forget`` once an operator has dealt with it.
     """
 
     entries: int
@@ -52,6 +54,7 @@ class Stats:
     leased: int
     releasing: int
     quarantined: int
+    quarantined_keys: tuple[tuple[str, Hashable], ...] = ()
 
     @property
     def hit_ratio(self) -> float:
