@@ -842,23 +842,32 @@ class Cache:
 
     async def _wait(self, ticket: Ticket, timeout: float | None) -> Lease[Any]:
         broker = self._broker
+        core = broker._core
         entry = ticket.entry
         done = entry.shell.done
         try:
-            with anyio.fail_after(timeout):
+            if timeout is None:
                 while ticket.outcome is None:
                     await done.wait()
-        except BaseException as exc:
-            if ticket.outcome is True:  # Granted just as we were cancelled: give it back.
-                broker._core.lease_end(entry, ticket.task, broker._clock())
             else:
-                broker._core.leave(ticket)
-            broker._apply()
-            if isinstance(exc, TimeoutError) and ticket.outcome is not True:
+                with anyio.fail_after(timeout):
+                    while ticket.outcome is None:
+                        await done.wait()
+        except TimeoutError:
+            if ticket.outcome is None:
+                core.leave(ticket)
+                broker._apply()
                 raise AcquireTimeout(
                     f"acquiring {self.name}:{entry.key!r} did not complete within {timeout:g}s "
                     f"(entry was {entry.state.value})"
                 ) from None
+            # Settled just as the deadline passed: the outcome stands.
+        except BaseException:
+            if ticket.outcome is True:  # Granted just as we were cancelled: give it back.
+                core.lease_end(entry, ticket.task, broker._clock())
+            else:
+                core.leave(ticket)
+            broker._apply()
             raise
         outcome = ticket.outcome
         if outcome is True:

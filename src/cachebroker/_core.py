@@ -191,6 +191,7 @@ class Core:
         self.effects: list[tuple[Effect, Any]] = []
         self._overdrawn: set[str] = set()
         self._expiry: list[tuple[float, int, Entry]] = []
+        self.idle_count = 0
         self._seq = itertools.count(1)
         self.closed = False
         # Counters for stats().
@@ -301,7 +302,17 @@ class Core:
         owner.live.add(entry)
         self.queue[entry] = None
         self.misses += 1
+        self._admit_weightless(entry)
         return entry
+
+    def _admit_weightless(self, entry: Entry) -> None:
+        """Grant an entry that weighs nothing as soon as no predecessor holds it back.
+
+        It competes for no space, so it needs no place in the queue's order
+        (and the scheduler may stop walking the queue before reaching it).
+        """
+        if not entry.need and entry.after is None and entry.state is State.WAITING:
+            self._grant(entry)
 
     def _check_deadlock(
         self, owner: Owner, key: Hashable, need: Mapping[str, int], task: object
@@ -446,14 +457,22 @@ class Core:
         for name, amount in entry.charge.items():
             self.spaces[name].idle_bytes += amount
         self.policy.idle(entry)
+        self.idle_count += 1
         if self.idle_ttl is not None:
-            heapq.heappush(self._expiry, (now + self.idle_ttl, entry.idle_seq, entry))
+            heap = self._expiry
+            heapq.heappush(heap, (now + self.idle_ttl, entry.idle_seq, entry))
+            if len(heap) > 2 * self.idle_count + 64:
+                # Leased-again and released entries leave stale items behind
+                # (lazy deletion); drop them before they outnumber the live ones.
+                heap[:] = [item for item in heap if item[2].idle_seq == item[1]]
+                heapq.heapify(heap)
 
     def _unidle(self, entry: Entry) -> None:
         self.policy.busy(entry)
         for name, amount in entry.charge.items():
             self.spaces[name].idle_bytes -= amount
         entry.idle_seq = 0
+        self.idle_count -= 1
 
     # --------------------------------------------------------------- releases
 
@@ -516,6 +535,7 @@ class Core:
             else:
                 owner.entries[entry.key] = successor
                 successor.after = None
+                self._admit_weightless(successor)
         entry.successor = None
 
     # ----------------------------------------------------- invalidate / sweep
@@ -598,36 +618,51 @@ class Core:
             self._repay()
         if not self.queue:
             return
-        promised: dict[str, int] = {}
-        unfinished: set[str] = set()
-        blocked: set[str] = set()
         spaces = self.spaces
-        for entry in list(self.queue):
+        every_space = len(spaces)
+        promised: dict[str, int] = {}  # to earlier waiters: granted in this pass, or covered
+        granted: dict[str, int] = {}  # granted in this pass, not yet in ``used``
+        unfinished: set[str] = set()  # spaces where an earlier waiter is not granted yet
+        blocked: set[str] = set()  # spaces where an earlier waiter cannot be covered
+        grants: list[Entry] = []
+        for entry in self.queue:  # Grants are applied after the walk: no copy of the queue.
+            if len(blocked) == every_space:
+                break  # Nobody further back may be granted or evicted for.
             need = entry.need
             if not blocked.isdisjoint(need):
                 blocked.update(need)
                 continue
-            shortfall = {
-                name: short
-                for name, amount in need.items()
-                if (short := amount - self._avail(spaces[name], promised)) > 0
-            }
-            if shortfall and not self._evict(shortfall):
+            shortfall: dict[str, int] | None = None
+            for name, amount in need.items():
+                space = spaces[name]
+                short = amount - (
+                    space.capacity - space.used + space.releasing - promised.get(name, 0)
+                )
+                if short > 0:
+                    if shortfall is None:
+                        shortfall = {}
+                    shortfall[name] = short
+            if shortfall is not None and not self._evict(shortfall):
                 blocked.update(need)
                 continue
-            if (
+            grantable = (
                 entry.after is None
                 and unfinished.isdisjoint(need)
-                and all(spaces[name].fits(amount) for name, amount in need.items())
-            ):
-                self._grant(entry)
+                and all(
+                    spaces[name].used + granted.get(name, 0) + amount <= spaces[name].capacity
+                    for name, amount in need.items()
+                )
+            )
+            for name, amount in need.items():
+                promised[name] = promised.get(name, 0) + amount
+                if grantable:
+                    granted[name] = granted.get(name, 0) + amount
+            if grantable:
+                grants.append(entry)
             else:
-                for name, amount in need.items():
-                    promised[name] = promised.get(name, 0) + amount
                 unfinished.update(need)
-
-    def _avail(self, space: Space, promised: Mapping[str, int]) -> int:
-        return space.capacity - space.used + space.releasing - promised.get(space.name, 0)
+        for entry in grants:
+            self._grant(entry)
 
     def _evict(self, shortfall: dict[str, int], *, partial: bool = False) -> bool:
         """Start releasing victims that cover ``shortfall``; False if impossible."""
@@ -735,6 +770,7 @@ class Core:
                 assert entry.state is State.READY and not entry.idle_seq, entry
                 assert sum(entry.holders.values()) == entry.leases, entry
                 assert entry in self.leased, entry
+        assert self.idle_count == sum(1 for e in self.entries() if e.idle_seq), self.idle_count
         for name, space in self.spaces.items():
             assert space.used == used[name], (name, space.used, used[name])
             assert space.releasing == releasing[name], (name, space.releasing, releasing[name])
