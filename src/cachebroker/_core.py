@@ -27,11 +27,11 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 from ._errors import BrokerClosed, DeadlockError, InvalidArgument, RequestTooLarge
-from ._policy import Policy
+from ._policy import Policy, PolicyBase
 
 __all__ = ["Core", "Effect", "Entry", "Owner", "Reason", "Space", "State", "Ticket"]
 
@@ -127,6 +127,8 @@ class Entry:
     __slots__ = (
         "after",
         "charge",
+        "cost",
+        "declared_cost",
         "doomed",
         "error",
         "holders",
@@ -134,9 +136,11 @@ class Entry:
         "idle_since",
         "joiners",
         "key",
+        "last_request",
         "leases",
         "need",
         "owner",
+        "requests",
         "shell",
         "state",
         "successor",
@@ -156,6 +160,13 @@ class Entry:
         self.error: BaseException | None = None
         self.idle_seq = 0
         self.idle_since = 0.0
+        #: Reload cost in seconds: the declared one, else the measured load time.
+        self.declared_cost: float | None = None
+        self.cost = 0.0
+        #: Requests for this entry since it was created, and the core's request
+        #: clock (``Core.tick``) at the latest one: what policies rank by.
+        self.requests = 0
+        self.last_request = 0
         #: Why to release it when its last lease ends (invalidated, cleared, closing).
         self.doomed: Reason | None = None
         #: A releasing entry this one must wait for, and the reverse link.
@@ -164,8 +175,26 @@ class Entry:
         #: Slot for the async shell (events, cancel scopes); the core never reads it.
         self.shell: Any = None
 
+    @property
+    def cache(self) -> str:
+        """The name of the cache that owns this entry."""
+        return self.owner.name
+
+    @property
+    def idle(self) -> bool:
+        """Whether the entry is an eviction candidate (loaded, no lease, not releasing)."""
+        return self.idle_seq != 0
+
     def __repr__(self) -> str:
         return f"<Entry {self.owner.name}:{self.key!r} {self.state.value} leases={self.leases}>"
+
+
+def _hook(policy: Policy, name: str) -> Callable[[Entry], None] | None:
+    """``policy.name``, or ``None`` when it is PolicyBase's no-op (so it is not called)."""
+    method = getattr(policy, name, None)
+    if method is None or getattr(type(policy), name, None) is getattr(PolicyBase, name):
+        return None
+    return method  # type: ignore[no-any-return]
 
 
 class Core:
@@ -183,6 +212,12 @@ class Core:
             name: Space(name, amount, bounded=self.retain) for name, amount in budget.items()
         }
         self.policy = policy
+        # Hooks a policy leaves as no-ops are not called at all (LRU's hit path).
+        self._touch = _hook(policy, "touch")
+        self._admit = _hook(policy, "admit")
+        self._remove = _hook(policy, "remove")
+        #: The request clock: one tick per acquire (hit, join or miss).
+        self.tick = 0
         self.idle_ttl = idle_ttl
         self.owners: dict[str, Owner] = {}
         self.queue: dict[Entry, None] = {}
@@ -249,8 +284,24 @@ class Core:
         holders = entry.holders
         holders[task] = holders.get(task, 0) + 1
         self.hits += 1
+        self._count_request(entry)
 
-    def request(self, owner: Owner, key: Hashable, need: dict[str, int], task: object) -> Ticket:
+    def _count_request(self, entry: Entry) -> None:
+        self.tick += 1
+        entry.requests += 1
+        entry.last_request = self.tick
+        if self._touch is not None:
+            self._touch(entry)
+
+    def request(
+        self,
+        owner: Owner,
+        key: Hashable,
+        need: dict[str, int],
+        task: object,
+        *,
+        cost: float | None = None,
+    ) -> Ticket:
         """Ask for ``key`` on behalf of ``task``; returns a ticket to wait on.
 
         A ready entry is leased at once (``ticket.outcome is True``). Otherwise
@@ -276,10 +327,13 @@ class Core:
             self._check_fit(need)
             self._check_deadlock(owner, key, need, task)
             entry = self._create(owner, key, need)
+            entry.declared_cost = cost
+            self._count_request(entry)
         else:
             if entry.state is State.WAITING:
                 self._check_deadlock(owner, key, entry.need, task)
             self.hits += 1  # Joining a load in flight costs no load of its own.
+            self._count_request(entry)
         ticket = Ticket(entry, task)
         entry.joiners.append(ticket)
         self._schedule()
@@ -373,8 +427,11 @@ class Core:
         """
         entry.value = value
         entry.state = State.READY
+        entry.cost = seconds if entry.declared_cost is None else entry.declared_cost
         self.loads += 1
         self.load_seconds += seconds
+        if self._admit is not None:
+            self._admit(entry)
         if measured is not None and measured != entry.charge:
             self._recharge(entry, measured)
         rejected = error if error is not None else self._oversize(entry)
@@ -731,6 +788,8 @@ class Core:
             self.spaces[name].used -= amount
 
     def _gone(self, entry: Entry) -> None:
+        if self._remove is not None and entry.state is not State.WAITING:
+            self._remove(entry)
         entry.state = State.GONE
         owner = entry.owner
         owner.live.discard(entry)
