@@ -609,3 +609,21 @@ async def wait_until(predicate: Any, limit: float = 5.0) -> None:
     with anyio.fail_after(limit):
         while not predicate():
             await anyio.sleep(0.001)
+
+
+async def test_cost_aware_policy_keeps_the_model_that_is_slow_to_reload() -> None:
+    plugin = Recorder()
+    async with Broker(budget=100, policy="cost") as broker, broker.cache("p", plugin) as cache:
+        async with cache.acquire("slow", load=loader("s"), size=40, cost=90):
+            pass
+        async with cache.acquire("fast", load=loader("f"), size=40, cost=3):
+            pass
+        async with cache.acquire("new", load=loader("n"), size=40, cost=1):
+            pass
+        assert plugin.released == ["fast"]  # LRU would have evicted "slow"
+
+
+async def test_bad_cost_is_rejected() -> None:
+    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+        with pytest.raises(ValueError, match="cost must be a non-negative"):
+            await cache.acquire("k", load=loader(1), size=1, cost=-2)

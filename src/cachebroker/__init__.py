@@ -22,8 +22,12 @@ from ._errors import LeasesOutstanding as LeasesOutstanding
 from ._errors import OutOfSpace as OutOfSpace
 from ._errors import ReleaseFailed as ReleaseFailed
 from ._errors import RequestTooLarge as RequestTooLarge
+from ._policy import FIFO as FIFO
+from ._policy import GDSF as GDSF
 from ._policy import LRU as LRU
+from ._policy import CostAware as CostAware
 from ._policy import Policy as Policy
+from ._policy import PolicyBase as PolicyBase
 from ._sizes import format_bytes as format_bytes
 from ._sizes import parse_bytes as parse_bytes
 from ._stats import EvictionReport as EvictionReport
@@ -35,7 +39,11 @@ except ImportError:  # pragma: no cover - running from a source tree without a b
     __version__ = "0.0.0"
 
 __all__ = (
+    "FIFO",
+    "GDSF",
     "LRU",
+    "CostAware",
+    "PolicyBase",
     "AcquireTimeout",
     "Acquisition",
     "Broker",

@@ -700,6 +700,7 @@ class Cache:
         load: Callable[[], Awaitable[T]],
         size: SizeSpec = None,
         timeout: float | None = None,
+        cost: float | None = None,
     ) -> Acquisition[T]: ...
 
     @overload
@@ -710,6 +711,7 @@ class Cache:
         load: Callable[[], T],
         size: SizeSpec = None,
         timeout: float | None = None,
+        cost: float | None = None,
     ) -> Acquisition[T]: ...
 
     def acquire(
@@ -719,6 +721,7 @@ class Cache:
         load: Callable[[], Any],
         size: SizeSpec = None,
         timeout: float | None = None,
+        cost: float | None = None,
     ) -> Acquisition[Any]:
         """Lease the value of ``key``, loading it first if needed.
 
@@ -738,6 +741,8 @@ class Cache:
                 correcting the books). Space is reserved before ``load`` runs.
             timeout: Seconds to wait for space and for the load; ``None`` waits
                 as long as it takes. On expiry ``AcquireTimeout`` is raised.
+            cost: What reloading the value costs, in seconds, for cost-aware
+                policies; by default the measured load time.
 
         Raises:
             RequestTooLarge: the size exceeds a space's whole budget.
@@ -750,7 +755,9 @@ class Cache:
         reservation returned) when the last one leaves. On trio a cache hit is a
         cancellation point; on asyncio a hit completes without suspending.
         """
-        return Acquisition(self, key, load, size, timeout)
+        if cost is not None:
+            cost = _non_negative_seconds(cost, "cost")
+        return Acquisition(self, key, load, size, timeout, cost)
 
     async def invalidate(self, key: Hashable) -> bool:
         """Drop ``key``'s value so the next acquire loads afresh.
@@ -792,7 +799,12 @@ class Cache:
         return Lease(entry, broker, task)
 
     async def _acquire(
-        self, key: Hashable, load: Callable[[], Any], size: SizeSpec, timeout: float | None
+        self,
+        key: Hashable,
+        load: Callable[[], Any],
+        size: SizeSpec,
+        timeout: float | None,
+        cost: float | None = None,
     ) -> Lease[Any]:
         checkpoint = self._broker._checkpoint
         if checkpoint is not None:
@@ -800,10 +812,15 @@ class Cache:
         lease = self._hit(key)
         if lease is not None:
             return lease
-        return await self._acquire_slow(key, load, size, timeout)
+        return await self._acquire_slow(key, load, size, timeout, cost)
 
     async def _acquire_slow(
-        self, key: Hashable, load: Callable[[], Any], size: SizeSpec, timeout: float | None
+        self,
+        key: Hashable,
+        load: Callable[[], Any],
+        size: SizeSpec,
+        timeout: float | None,
+        cost: float | None = None,
     ) -> Lease[Any]:
         broker = self._broker
         if self._closed or not broker._running:
@@ -816,7 +833,7 @@ class Cache:
         need = {} if measure is not None else parse_size(size, broker._budget)
         task = broker._current_task()
         core = broker._core
-        ticket = core.request(self._owner, key, need, task)
+        ticket = core.request(self._owner, key, need, task, cost=cost)
         entry = ticket.entry
         if entry.state is State.WAITING and task in broker._releasing_tasks:
             core.leave(ticket)
@@ -897,7 +914,7 @@ class Cache:
 class Acquisition(Generic[T_co]):
     """The pending result of ``cache.acquire(...)``: await it or use it with ``async with``."""
 
-    __slots__ = ("_cache", "_key", "_lease", "_load", "_size", "_timeout")
+    __slots__ = ("_cache", "_cost", "_key", "_lease", "_load", "_size", "_timeout")
 
     def __init__(
         self,
@@ -906,8 +923,10 @@ class Acquisition(Generic[T_co]):
         load: Callable[[], Any],
         size: SizeSpec,
         timeout: float | None,
+        cost: float | None,
     ) -> None:
         self._cache = cache
+        self._cost = cost
         self._key = key
         self._load = load
         self._size = size
@@ -921,7 +940,7 @@ class Acquisition(Generic[T_co]):
             lease = cache._hit(self._key)
             if lease is not None:
                 return lease
-        acquiring = cache._acquire(self._key, self._load, self._size, self._timeout)
+        acquiring = cache._acquire(self._key, self._load, self._size, self._timeout, self._cost)
         return (yield from acquiring.__await__())
 
     async def __aenter__(self) -> Lease[T_co]:
@@ -992,6 +1011,14 @@ class Lease(Generic[T_co]):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _non_negative_seconds(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"{what} must be a non-negative number of seconds, got {value!r}")
+    return float(value)
 
 
 def _positive_seconds(value: object, what: str) -> float | None:
