@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import math
 import threading
 from collections.abc import Hashable, MutableMapping
 from typing import Any
@@ -627,3 +628,69 @@ async def test_bad_cost_is_rejected() -> None:
     async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(ValueError, match="cost must be a non-negative"):
             await cache.acquire("k", load=loader(1), size=1, cost=-2)
+
+
+async def test_per_entry_idle_ttl_overrides_the_broker_one() -> None:
+    now = [0.0]
+    plugin = Recorder()
+    async with Broker(budget=100, idle_ttl=300, clock=lambda: now[0]) as broker:
+        async with broker.cache("p", plugin) as cache:
+            async with cache.acquire("short", load=loader(1), size=10, idle_ttl=5):
+                pass
+            async with cache.acquire("forever", load=loader(2), size=10, idle_ttl=math.inf):
+                pass
+            async with cache.acquire("default", load=loader(3), size=10):
+                pass
+            now[0] = 10
+            assert (await broker.evict_idle()).entries == 1
+            assert plugin.released == ["short"]
+            now[0] = 1000
+            await broker.evict_idle()
+            assert plugin.released == ["short", "default"]
+
+
+async def test_idle_ttl_zero_releases_at_last_lease_end() -> None:
+    plugin = Recorder()
+    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+        async with cache.acquire("k", load=loader(1), size=10, idle_ttl=0):
+            pass
+        await wait_until(lambda: plugin.released == ["k"])
+
+
+async def test_sweeper_honours_per_entry_ttl_without_a_broker_ttl() -> None:
+    plugin = Recorder()
+    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+        async with cache.acquire("k", load=loader(1), size=10, idle_ttl=0.02):
+            pass
+        with anyio.fail_after(5):
+            await plugin.started.wait()
+        assert plugin.released == ["k"]
+
+
+async def test_pinned_entry_stays_resident_until_unpinned() -> None:
+    now = [0.0]
+    plugin = Recorder()
+    async with Broker(budget=100, idle_ttl=10, clock=lambda: now[0]) as broker:
+        async with broker.cache("p", plugin) as cache:
+            async with cache.acquire("pinned", load=loader(1), size=60, pin=True):
+                pass
+            async with cache.acquire("other", load=loader(2), size=40):
+                pass
+            now[0] = 100
+            await broker.evict_idle()
+            assert plugin.released == ["other"]  # the pinned one does not expire
+            with pytest.raises(AcquireTimeout):  # ... nor is it evicted for space
+                await cache.acquire("big", load=loader(3), size=50, timeout=0.02)
+            assert await cache.unpin("pinned") is True
+            assert await cache.unpin("pinned") is False
+            async with cache.acquire("big", load=loader(3), size=50):
+                pass
+            assert plugin.released == ["other", "pinned"]
+
+
+async def test_bad_per_entry_settings_are_rejected() -> None:
+    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+        with pytest.raises(ValueError, match="idle_ttl must be a non-negative"):
+            cache.acquire("k", load=loader(1), idle_ttl=-1)
+        with pytest.raises(TypeError, match="pin must be True or False"):
+            cache.acquire("k", load=loader(1), pin="yes")  # type: ignore[call-overload]

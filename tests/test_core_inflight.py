@@ -102,6 +102,21 @@ class InFlightMachine(RuleBasedStateMachine):
         self.tickets.remove(ticket)
         self.h.end(ticket)
 
+    @precondition(lambda self: any(t.outcome is True for t in self.tickets))
+    @rule(
+        data=st.data(),
+        ttl=st.sampled_from([None, 0.0, 5.0, float("inf")]),
+        pin=st.sampled_from([None, True]),
+    )
+    def configure(self, data: st.DataObject, ttl: float | None, pin: bool | None) -> None:
+        ticket = data.draw(st.sampled_from([t for t in self.tickets if t.outcome is True]))
+        self.h.core.configure(ticket.entry, idle_ttl=ttl, pin=pin)
+
+    @rule(key=KEYS)
+    def unpin(self, key: str) -> None:
+        self.h.core.unpin(self.h.owner, key, self.h.now)
+        self.h.drain()
+
     @rule(key=KEYS)
     def invalidate(self, key: str) -> None:
         self.h.core.invalidate(self.h.owner, key)

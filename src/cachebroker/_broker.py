@@ -246,8 +246,7 @@ class Broker:
         await tg.__aenter__()
         self._tg = tg
         self._running = True
-        if self._idle_ttl is not None:
-            tg.start_soon(self._sweeper, name="cachebroker idle sweeper")
+        tg.start_soon(self._sweeper, name="cachebroker idle sweeper")
         return self
 
     async def __aexit__(
@@ -443,7 +442,7 @@ class Broker:
             measured, error = self._measure(entry, slot, value)
             core.load_done(entry, value, measured, seconds, self._clock(), error=error)
             if entry.idle_seq:
-                self._note_idle()
+                self._note_idle(entry)
             log.info(
                 ev.LOAD_DONE,
                 cache=cache_name,
@@ -582,9 +581,12 @@ class Broker:
             core.sweep(self._clock())
             self._apply()
 
-    def _note_idle(self) -> None:
-        """Wake the sweeper when the first idle entry appears (later ones expire later)."""
-        if self._sweep_at is None and self._sweep_wake is not None:
+    def _note_idle(self, entry: Entry) -> None:
+        """Wake the sweeper if ``entry`` expires before its current deadline."""
+        ttl = self._idle_ttl if entry.ttl is None else entry.ttl
+        if ttl is None or ttl == math.inf or self._sweep_wake is None:
+            return
+        if self._sweep_at is None or entry.idle_since + ttl < self._sweep_at:
             self._sweep_wake.set()
 
 
@@ -701,6 +703,8 @@ class Cache:
         size: SizeSpec = None,
         timeout: float | None = None,
         cost: float | None = None,
+        idle_ttl: float | None = None,
+        pin: bool = False,
     ) -> Acquisition[T]: ...
 
     @overload
@@ -712,6 +716,8 @@ class Cache:
         size: SizeSpec = None,
         timeout: float | None = None,
         cost: float | None = None,
+        idle_ttl: float | None = None,
+        pin: bool = False,
     ) -> Acquisition[T]: ...
 
     def acquire(
@@ -722,6 +728,8 @@ class Cache:
         size: SizeSpec = None,
         timeout: float | None = None,
         cost: float | None = None,
+        idle_ttl: float | None = None,
+        pin: bool = False,
     ) -> Acquisition[Any]:
         """Lease the value of ``key``, loading it first if needed.
 
@@ -743,6 +751,13 @@ class Cache:
                 as long as it takes. On expiry ``AcquireTimeout`` is raised.
             cost: What reloading the value costs, in seconds, for cost-aware
                 policies; by default the measured load time.
+            idle_ttl: This entry's idle TTL in seconds, overriding the broker's
+                (like Ollama's per-request keep_alive; the latest acquire's
+                setting wins). 0 releases it as soon as its last lease ends;
+                ``math.inf`` keeps it until evicted for space.
+            pin: Keep the entry resident regardless of policy and idle time
+                while this cache is open (until ``unpin(key)``). It is still
+                released by ``invalidate``, ``clear`` and closing the cache.
 
         Raises:
             RequestTooLarge: the size exceeds a space's whole budget.
@@ -757,7 +772,12 @@ class Cache:
         """
         if cost is not None:
             cost = _non_negative_seconds(cost, "cost")
-        return Acquisition(self, key, load, size, timeout, cost)
+        if idle_ttl is not None:
+            idle_ttl = _non_negative_seconds(idle_ttl, "idle_ttl", allow_inf=True)
+        if not isinstance(pin, bool):
+            raise TypeError(f"pin must be True or False, got {pin!r}")
+        options = None if idle_ttl is None and not pin else (idle_ttl, pin)
+        return Acquisition(self, key, load, size, timeout, cost, options)
 
     async def invalidate(self, key: Hashable) -> bool:
         """Drop ``key``'s value so the next acquire loads afresh.
@@ -777,6 +797,23 @@ class Cache:
         else:
             await anyio.lowlevel.checkpoint()
         return dropped
+
+    async def unpin(self, key: Hashable) -> bool:
+        """Let the policy and the idle TTL govern ``key`` again (see ``acquire(pin=True)``).
+
+        Returns whether it was pinned.
+        """
+        broker = self._broker
+        if self._closed:
+            raise BrokerClosed(f"cache {self.name!r} is closed")
+        self._find(key)
+        unpinned = broker._core.unpin(self._owner, key, broker._clock())
+        broker._apply()
+        entry = self._entries.get(key)
+        if entry is not None and entry.idle_seq:
+            broker._note_idle(entry)
+        await anyio.lowlevel.checkpoint()
+        return unpinned
 
     def _find(self, key: Hashable) -> Entry | None:
         try:
@@ -805,14 +842,20 @@ class Cache:
         size: SizeSpec,
         timeout: float | None,
         cost: float | None = None,
+        options: tuple[float | None, bool] | None = None,
     ) -> Lease[Any]:
         checkpoint = self._broker._checkpoint
         if checkpoint is not None:
             await checkpoint()
         lease = self._hit(key)
-        if lease is not None:
-            return lease
-        return await self._acquire_slow(key, load, size, timeout, cost)
+        if lease is None:
+            lease = await self._acquire_slow(key, load, size, timeout, cost)
+        if options is not None:
+            idle_ttl, pin = options
+            entry = lease._entry
+            assert entry is not None
+            self._broker._core.configure(entry, idle_ttl=idle_ttl, pin=pin or None)
+        return lease
 
     async def _acquire_slow(
         self,
@@ -914,7 +957,7 @@ class Cache:
 class Acquisition(Generic[T_co]):
     """The pending result of ``cache.acquire(...)``: await it or use it with ``async with``."""
 
-    __slots__ = ("_cache", "_cost", "_key", "_lease", "_load", "_size", "_timeout")
+    __slots__ = ("_cache", "_cost", "_key", "_lease", "_load", "_options", "_size", "_timeout")
 
     def __init__(
         self,
@@ -924,9 +967,11 @@ class Acquisition(Generic[T_co]):
         size: SizeSpec,
         timeout: float | None,
         cost: float | None,
+        options: tuple[float | None, bool] | None,
     ) -> None:
         self._cache = cache
         self._cost = cost
+        self._options = options
         self._key = key
         self._load = load
         self._size = size
@@ -935,12 +980,14 @@ class Acquisition(Generic[T_co]):
 
     def __await__(self) -> Generator[Any, Any, Lease[T_co]]:
         cache = self._cache
-        if cache._broker._checkpoint is None:
+        if cache._broker._checkpoint is None and self._options is None:
             # asyncio: a hit is served in this step, without building a coroutine.
             lease = cache._hit(self._key)
             if lease is not None:
                 return lease
-        acquiring = cache._acquire(self._key, self._load, self._size, self._timeout, self._cost)
+        acquiring = cache._acquire(
+            self._key, self._load, self._size, self._timeout, self._cost, self._options
+        )
         return (yield from acquiring.__await__())
 
     async def __aenter__(self) -> Lease[T_co]:
@@ -1002,8 +1049,8 @@ class Lease(Generic[T_co]):
         core.lease_end(entry, self._task, broker._clock())
         if core.effects:
             broker._apply()
-        if broker._sweep_at is None and entry.idle_seq:
-            broker._note_idle()
+        if entry.idle_seq and (entry.ttl is not None or broker._idle_ttl is not None):
+            broker._note_idle(entry)
 
     def __repr__(self) -> str:
         state = "released" if self._entry is None else "held"
@@ -1013,10 +1060,10 @@ class Lease(Generic[T_co]):
 # ---------------------------------------------------------------------- helpers
 
 
-def _non_negative_seconds(value: object, what: str) -> float:
+def _non_negative_seconds(value: object, what: str, *, allow_inf: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{what} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value < 0:
+    if math.isnan(value) or value < 0 or (math.isinf(value) and not allow_inf):
         raise InvalidArgument(f"{what} must be a non-negative number of seconds, got {value!r}")
     return float(value)
 

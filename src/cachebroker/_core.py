@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
@@ -140,10 +141,12 @@ class Entry:
         "leases",
         "need",
         "owner",
+        "pinned",
         "requests",
         "shell",
         "state",
         "successor",
+        "ttl",
         "value",
     )
 
@@ -167,6 +170,10 @@ class Entry:
         #: clock (``Core.tick``) at the latest one: what policies rank by.
         self.requests = 0
         self.last_request = 0
+        #: Per-entry idle TTL (``None``: the broker's); pinned entries are never
+        #: eviction candidates and never expire while their cache is open.
+        self.ttl: float | None = None
+        self.pinned = False
         #: Why to release it when its last lease ends (invalidated, cleared, closing).
         self.doomed: Reason | None = None
         #: A releasing entry this one must wait for, and the reverse link.
@@ -275,10 +282,31 @@ class Core:
 
     # ---------------------------------------------------------------- acquire
 
+    def configure(
+        self, entry: Entry, *, idle_ttl: float | None = None, pin: bool | None = None
+    ) -> None:
+        """Apply an acquire's per-entry settings: the latest request's win."""
+        if idle_ttl is not None:
+            entry.ttl = idle_ttl
+        if pin is not None:
+            entry.pinned = pin
+
+    def unpin(self, owner: Owner, key: Hashable, now: float) -> bool:
+        """Make ``key`` an ordinary entry again; returns whether it was pinned."""
+        entry = owner.entries.get(key)
+        if entry is None or not entry.pinned:
+            return False
+        entry.pinned = False
+        if entry.state is State.READY and not entry.leases:
+            self._rest(entry, now)
+            self._schedule()
+        return True
+
     def hit(self, entry: Entry, task: object) -> None:
         """Lease a ready entry to ``task``."""
         if entry.leases == 0:
-            self._unidle(entry)
+            if entry.idle_seq:  # (a pinned entry never was a candidate)
+                self._unidle(entry)
             self.leased[entry] = None
         entry.leases += 1
         holders = entry.holders
@@ -509,15 +537,21 @@ class Core:
         if entry.owner.closing or not self.retain:
             self._start_release(entry, Reason.CLOSE if self.retain else Reason.UNRETAINED)
             return
-        entry.idle_seq = next(self._seq)
         entry.idle_since = now
+        if entry.pinned:
+            return  # Resident regardless of policy and idle time.
+        ttl = self.idle_ttl if entry.ttl is None else entry.ttl
+        if ttl == 0:
+            self._start_release(entry, Reason.IDLE)
+            return
+        entry.idle_seq = next(self._seq)
         for name, amount in entry.charge.items():
             self.spaces[name].idle_bytes += amount
         self.policy.idle(entry)
         self.idle_count += 1
-        if self.idle_ttl is not None:
+        if ttl is not None and ttl != math.inf:
             heap = self._expiry
-            heapq.heappush(heap, (now + self.idle_ttl, entry.idle_seq, entry))
+            heapq.heappush(heap, (now + ttl, entry.idle_seq, entry))
             if len(heap) > 2 * self.idle_count + 64:
                 # Leased-again and released entries leave stale items behind
                 # (lazy deletion); drop them before they outnumber the live ones.
@@ -825,6 +859,8 @@ class Core:
                 assert entry in self.queue, entry
                 assert not entry.charge, entry
                 assert entry.joiners, f"{entry!r} waits for space on behalf of nobody"
+            if entry.state is State.READY and not entry.leases and entry.doomed is None:
+                assert bool(entry.idle_seq) != entry.pinned, entry
             if entry.leases:
                 assert entry.state is State.READY and not entry.idle_seq, entry
                 assert sum(entry.holders.values()) == entry.leases, entry
