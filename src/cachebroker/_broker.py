@@ -42,6 +42,7 @@ from ._errors import (
     InvalidKey,
     LeaseReleased,
     LeasesOutstanding,
+    OutOfSpace,
     ReleaseFailed,
 )
 from ._policy import Policy, make_policy
@@ -160,6 +161,11 @@ class Broker:
         clock: A callable returning the current time in seconds, for idle
             bookkeeping and load timings. Defaults to the event loop's clock.
         logger: A structlog logger; defaults to ``structlog.get_logger("cachebroker")``.
+        oom_errors: Exception types that mean "out of memory" when a loader
+            raises them (e.g. ``torch.cuda.OutOfMemoryError``), in addition to
+            ``MemoryError`` and ``OutOfSpace``. The broker then frees the next
+            idle victim and retries the load (free and retry).
+        oom_retries: How many times one load may be retried after freeing.
 
     .. versionadded:: 0.1.0
     """
@@ -173,8 +179,14 @@ class Broker:
         release_timeout: float | None = 30.0,
         clock: Callable[[], float] | None = None,
         logger: Any = None,
+        oom_errors: type[BaseException] | tuple[type[BaseException], ...] = (),
+        oom_retries: int = 8,
     ) -> None:
         spaces = parse_budget(budget)
+        self._oom_errors = _oom_error_types(oom_errors)
+        if isinstance(oom_retries, bool) or not isinstance(oom_retries, int) or oom_retries < 0:
+            raise InvalidArgument(f"oom_retries must be a non-negative int, got {oom_retries!r}")
+        self._oom_retries = oom_retries
         self._idle_ttl = _positive_seconds(idle_ttl, "idle_ttl")
         self._release_timeout = _positive_seconds(release_timeout, "release_timeout")
         if clock is not None and not callable(clock):
@@ -357,7 +369,10 @@ class Broker:
             loads=core.loads,
             load_failures=core.load_failures,
             load_seconds=core.load_seconds,
-            evictions=core.evictions[Reason.CAPACITY] + core.evictions[Reason.IDLE],
+            evictions=core.evictions[Reason.CAPACITY]
+            + core.evictions[Reason.IDLE]
+            + core.evictions[Reason.RETRY],
+            oom_retries=core.oom_retries,
             releases={reason.value: n for reason, n in core.evictions.items()},
             releases_failed=core.releases_failed,
             waiting=waiting,
@@ -424,10 +439,7 @@ class Broker:
             log.info(ev.LOAD_START, cache=cache_name, key=entry.key, bytes=dict(entry.charge))
             started = self._clock()
             try:
-                if slot.is_async:
-                    value = await slot.load()
-                else:
-                    value = await self._load_in_thread(slot.load)
+                value = await self._load_freeing_on_oom(entry, slot)
             except anyio.get_cancelled_exc_class():
                 log.info(ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
                 core.load_failed(entry, BrokerClosed("the load was cancelled"), cancelled=True)
@@ -451,6 +463,44 @@ class Broker:
                 bytes=dict(entry.charge),
             )
             self._apply()
+
+    async def _load_freeing_on_oom(self, entry: Entry, slot: _Slot) -> Any:
+        """Run the loader; on an out-of-memory error free the next victim and retry.
+
+        Bounded by ``oom_retries``; when nothing is left to free (or the bound
+        is reached) raises ``OutOfSpace`` chained to the last out-of-memory error.
+        """
+        retries = 0
+        while True:
+            try:
+                if slot.is_async:
+                    return await slot.load()
+                return await self._load_in_thread(slot.load)
+            except self._oom_errors as exc:
+                victims = self._core.free_for_retry(entry) if retries < self._oom_retries else []
+                self._apply()
+                if not victims:
+                    why = (
+                        "nothing is left to free"
+                        if retries < self._oom_retries
+                        else f"{retries} retries after freeing did not help"
+                    )
+                    raise OutOfSpace(
+                        f"loading {entry.owner.name}:{entry.key!r} ran out of memory and {why}"
+                    ) from exc
+                retries += 1
+                self._log.warning(
+                    ev.LOAD_RETRY,
+                    cache=entry.owner.name,
+                    key=entry.key,
+                    attempt=retries,
+                    error=repr(exc),
+                    freed=[(v.owner.name, v.key) for v in victims],
+                )
+                for victim in victims:
+                    released = victim.shell.released
+                    if released is not None:
+                        await released.wait()
 
     @staticmethod
     async def _load_in_thread(load: Callable[[], Any]) -> Any:
@@ -1096,6 +1146,16 @@ def _own_copy(error: BaseException) -> BaseException:
     twin.__cause__ = error if error.__traceback__ is not None else error.__cause__
     twin.__traceback__ = None
     return twin
+
+
+def _oom_error_types(
+    extra: type[BaseException] | tuple[type[BaseException], ...],
+) -> tuple[type[BaseException], ...]:
+    given = extra if isinstance(extra, tuple) else (extra,)
+    for kind in given:
+        if not (isinstance(kind, type) and issubclass(kind, Exception)):
+            raise TypeError(f"oom_errors must be exception classes, got {kind!r}")
+    return (MemoryError, OutOfSpace, *given)
 
 
 def _debug_enabled(log: Any) -> bool:

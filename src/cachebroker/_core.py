@@ -62,6 +62,7 @@ class Reason(enum.Enum):
     CLOSE = "close"
     UNRETAINED = "unretained"
     REJECTED = "rejected"
+    RETRY = "retry"
 
 
 class Effect(enum.Enum):
@@ -234,6 +235,9 @@ class Core:
         self._overdrawn: set[str] = set()
         self._expiry: list[tuple[float, int, Entry]] = []
         self.idle_count = 0
+        #: Idle entries of unknown size, oldest first (free-and-retry's last resort).
+        self._unsized: dict[Entry, None] = {}
+        self.oom_retries = 0
         self._seq = itertools.count(1)
         self.closed = False
         # Counters for stats().
@@ -547,6 +551,8 @@ class Core:
         entry.idle_seq = next(self._seq)
         for name, amount in entry.charge.items():
             self.spaces[name].idle_bytes += amount
+        if not entry.charge:
+            self._unsized[entry] = None
         self.policy.idle(entry)
         self.idle_count += 1
         if ttl is not None and ttl != math.inf:
@@ -559,6 +565,7 @@ class Core:
                 heapq.heapify(heap)
 
     def _unidle(self, entry: Entry) -> None:
+        self._unsized.pop(entry, None)
         self.policy.busy(entry)
         for name, amount in entry.charge.items():
             self.spaces[name].idle_bytes -= amount
@@ -575,6 +582,27 @@ class Core:
             self.spaces[name].releasing += amount
         self.evictions[reason] += 1
         self.effects.append((Effect.START_RELEASE, (entry, reason)))
+
+    def free_for_retry(self, entry: Entry) -> list[Entry]:
+        """A load ran out of memory: start releasing the next victim; return it.
+
+        The next idle victim in policy order in the load's spaces; failing
+        that, in any other space; failing that, the oldest idle entry of
+        unknown size. Returns ``[]`` when nothing is left to free.
+        """
+        own = [name for name in entry.charge if name in self.spaces]
+        others = [name for name in self.spaces if name not in own]
+        victims: list[Entry] = []
+        for spaces in (own, others):
+            if spaces and not victims:
+                victims = [v for v in self.policy.victims(dict.fromkeys(spaces, 1)) if v.idle]
+        if not victims and self._unsized:
+            victims = [next(iter(self._unsized))]
+        for victim in victims:
+            self._start_release(victim, Reason.RETRY)
+        if victims:
+            self.oom_retries += 1
+        return victims
 
     def release_done(self, entry: Entry) -> None:
         """The owner acknowledged the release ("freed"): the bytes come back.

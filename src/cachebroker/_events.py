@@ -18,6 +18,7 @@ LOAD_START: Final = "cachebroker.load.start"
 LOAD_DONE: Final = "cachebroker.load.done"
 LOAD_FAILED: Final = "cachebroker.load.failed"
 LOAD_CANCELLED: Final = "cachebroker.load.cancelled"
+LOAD_RETRY: Final = "cachebroker.load.retry"
 RELEASE_REQUESTED: Final = "cachebroker.release.requested"
 RELEASE_FREED: Final = "cachebroker.release.freed"
 RELEASE_FAILED: Final = "cachebroker.release.failed"
@@ -32,6 +33,7 @@ ALL: Final = (
     LOAD_DONE,
     LOAD_FAILED,
     LOAD_CANCELLED,
+    LOAD_RETRY,
     RELEASE_REQUESTED,
     RELEASE_FREED,
     RELEASE_FAILED,

@@ -23,9 +23,11 @@ class Stats:
         loads: Loads that finished successfully.
         load_failures: Loads that raised.
         load_seconds: Total time spent in successful loads.
-        evictions: Entries released to make room or because they sat idle.
+        evictions: Entries released to make room (by accounting or after an
+            out-of-memory error) or because they sat idle.
+        oom_retries: Loads retried after an out-of-memory error freed a victim.
         releases: Releases started, by reason (capacity, idle, invalidate, clear,
-            close, unretained, rejected).
+            close, unretained, rejected, retry).
         releases_failed: Releases that raised or timed out (now quarantined).
         waiting: Requests queued for space.
         loading: Entries whose load is running.
@@ -46,6 +48,7 @@ class Stats:
     load_failures: int
     load_seconds: float
     evictions: int
+    oom_retries: int
     releases: Mapping[str, int]
     releases_failed: int
     waiting: int
