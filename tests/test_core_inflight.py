@@ -112,6 +112,13 @@ class InFlightMachine(RuleBasedStateMachine):
         ticket = data.draw(st.sampled_from([t for t in self.tickets if t.outcome is True]))
         self.h.core.configure(ticket.entry, idle_ttl=ttl, pin=pin)
 
+    @precondition(lambda self: len(self.h.core.canon_names) == 2)
+    @rule()
+    def merge_spaces(self) -> None:
+        """The two spaces turn out to be one memory, with work in flight."""
+        self.h.core.merge_spaces("ram", "gpu")
+        self.h.drain()
+
     @rule(key=KEYS)
     def unpin(self, key: str) -> None:
         self.h.core.unpin(self.h.owner, key, self.h.now)

@@ -21,7 +21,7 @@ import inspect
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable, Generator, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Hashable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar, cast, overload, runtime_checkable
@@ -166,6 +166,11 @@ class Broker:
             ``MemoryError`` and ``OutOfSpace``. The broker then frees the next
             idle victim and retries the load (free and retry).
         oom_retries: How many times one load may be retried after freeing.
+        aliases: Groups of space names known to be one memory, e.g. from a
+            previous broker's ``stats().aliases``. They share one capacity
+            (the larger budget) and evict from each other.
+        alias_threshold: How many times a load in one space must have fit only
+            after freeing in another before the broker merges the two.
 
     .. versionadded:: 0.1.0
     """
@@ -181,6 +186,8 @@ class Broker:
         logger: Any = None,
         oom_errors: type[BaseException] | tuple[type[BaseException], ...] = (),
         oom_retries: int = 8,
+        aliases: Iterable[Iterable[str]] = (),
+        alias_threshold: int = 3,
     ) -> None:
         spaces = parse_budget(budget)
         self._oom_errors = _oom_error_types(oom_errors)
@@ -192,6 +199,14 @@ class Broker:
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         self._core = Core(spaces, make_policy(policy), idle_ttl=self._idle_ttl)
+        if isinstance(alias_threshold, bool) or not isinstance(alias_threshold, int):
+            raise TypeError(f"alias_threshold must be an int, got {alias_threshold!r}")
+        if alias_threshold < 1:
+            raise InvalidArgument(f"alias_threshold must be at least 1, got {alias_threshold}")
+        self._alias_threshold = alias_threshold
+        for group in _alias_groups(aliases, spaces):
+            for name in group[1:]:
+                self._core.merge_spaces(group[0], name)
         self._budget = dict(spaces)
         self._user_clock = clock
         self._clock: Callable[[], float] = clock or _unstarted_clock
@@ -373,6 +388,7 @@ class Broker:
             + core.evictions[Reason.IDLE]
             + core.evictions[Reason.RETRY],
             oom_retries=core.oom_retries,
+            aliases=tuple(core.aliases()),
             releases={reason.value: n for reason, n in core.evictions.items()},
             releases_failed=core.releases_failed,
             waiting=waiting,
@@ -471,11 +487,13 @@ class Broker:
         is reached) raises ``OutOfSpace`` chained to the last out-of-memory error.
         """
         retries = 0
+        freed: set[str] = set()
         while True:
             try:
                 if slot.is_async:
-                    return await slot.load()
-                return await self._load_in_thread(slot.load)
+                    value = await slot.load()
+                else:
+                    value = await self._load_in_thread(slot.load)
             except self._oom_errors as exc:
                 victims = self._core.free_for_retry(entry) if retries < self._oom_retries else []
                 self._apply()
@@ -497,10 +515,30 @@ class Broker:
                     error=repr(exc),
                     freed=[(v.owner.name, v.key) for v in victims],
                 )
+                freed = {name for victim in victims for name in victim.charge}
                 for victim in victims:
                     released = victim.shell.released
                     if released is not None:
                         await released.wait()
+            else:
+                if retries and entry.charge:
+                    self._learn_aliases(freed - set(entry.charge), entry)
+                return value
+
+    def _learn_aliases(self, freed: set[str], entry: Entry) -> None:
+        """The load fit only after freeing in ``freed``: evidence of one memory."""
+        if not freed:
+            return
+        merged = self._core.note_alias_evidence(freed, entry.charge, self._alias_threshold)
+        for keep, other in merged:
+            self._log.warning(
+                ev.ALIAS_LEARNED,
+                spaces=[keep, other],
+                evidence=self._alias_threshold,
+                cache=entry.owner.name,
+                key=entry.key,
+            )
+        self._apply()
 
     @staticmethod
     async def _load_in_thread(load: Callable[[], Any]) -> Any:
@@ -1146,6 +1184,23 @@ def _own_copy(error: BaseException) -> BaseException:
     twin.__cause__ = error if error.__traceback__ is not None else error.__cause__
     twin.__traceback__ = None
     return twin
+
+
+def _alias_groups(groups: Iterable[Iterable[str]], spaces: Mapping[str, int]) -> list[list[str]]:
+    result = []
+    for group in groups:
+        if isinstance(group, str):
+            raise TypeError(f"aliases must be groups of space names, got the string {group!r}")
+        names = list(group)
+        for name in names:
+            if name not in spaces:
+                raise InvalidArgument(
+                    f"alias names unknown space {name!r}; the budget has spaces {sorted(spaces)}"
+                )
+        if len(names) < 2:
+            raise InvalidArgument(f"an alias group needs at least two spaces, got {names!r}")
+        result.append(names)
+    return result
 
 
 def _oom_error_types(

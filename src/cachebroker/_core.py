@@ -219,6 +219,10 @@ class Core:
         self.spaces = {
             name: Space(name, amount, bounded=self.retain) for name, amount in budget.items()
         }
+        #: Learned (or given) aliases: a space name -> the name it is merged into.
+        self.canon: dict[str, str] = {}
+        self.canon_names = list(self.spaces)
+        self.alias_evidence: dict[frozenset[str], int] = {}
         self.policy = policy
         # Hooks a policy leaves as no-ops are not called at all (LRU's hit path).
         self._touch = _hook(policy, "touch")
@@ -347,6 +351,8 @@ class Core:
         """
         if owner.closing:
             raise BrokerClosed(f"cache {owner.name!r} is closed")
+        if self.canon:
+            need = self._canonical(need)
         entry = owner.entries.get(key)
         if entry is not None and entry.state is State.RELEASING:
             entry = entry.successor
@@ -493,7 +499,16 @@ class Core:
         self._gone(entry)
         self._schedule()
 
+    def _canonical(self, charge: dict[str, int]) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for name, amount in charge.items():
+            name = self.canon.get(name, name)
+            merged[name] = merged.get(name, 0) + amount
+        return merged
+
     def _recharge(self, entry: Entry, measured: dict[str, int]) -> None:
+        if self.canon:
+            measured = self._canonical(measured)
         for name, amount in entry.charge.items():
             self.spaces[name].used -= amount
         entry.charge = measured
@@ -590,8 +605,8 @@ class Core:
         that, in any other space; failing that, the oldest idle entry of
         unknown size. Returns ``[]`` when nothing is left to free.
         """
-        own = [name for name in entry.charge if name in self.spaces]
-        others = [name for name in self.spaces if name not in own]
+        own = list(entry.charge)
+        others = [name for name in self.canon_names if name not in own]
         victims: list[Entry] = []
         for spaces in (own, others):
             if spaces and not victims:
@@ -603,6 +618,92 @@ class Core:
         if victims:
             self.oom_retries += 1
         return victims
+
+    def note_alias_evidence(
+        self, freed: Iterable[str], loaded: Iterable[str], threshold: int
+    ) -> list[tuple[str, str]]:
+        """A load in ``loaded`` spaces fit only after freeing in ``freed`` spaces.
+
+        Each such observation is evidence that the two are one memory; at
+        ``threshold`` observations the spaces are merged. Returns the pairs
+        merged by this call.
+        """
+        merged: list[tuple[str, str]] = []
+        for a in {self.canon.get(n, n) for n in freed}:
+            for b in {self.canon.get(n, n) for n in loaded}:
+                a, b = self.canon.get(a, a), self.canon.get(b, b)
+                if a == b:
+                    continue
+                pair = frozenset((a, b))
+                self.alias_evidence[pair] = self.alias_evidence.get(pair, 0) + 1
+                if self.alias_evidence[pair] >= threshold:
+                    del self.alias_evidence[pair]
+                    self.merge_spaces(b, a)
+                    merged.append((b, a))
+        return merged
+
+    def merge_spaces(self, keep: str, other: str) -> None:
+        """Treat spaces ``keep`` and ``other`` as one memory from now on.
+
+        The merged space's capacity is the larger of the two budgets; its books
+        are the sum of both; every entry charged in ``other`` is charged in
+        ``keep`` instead, and the policy is told so as if those entries were
+        admitted again (in the order they were last requested). If the merged
+        books exceed the capacity, idle entries are evicted at once.
+        """
+        keep, other = self.canon.get(keep, keep), self.canon.get(other, other)
+        if keep == other:
+            return
+        kept, gone = self.spaces[keep], self.spaces[other]
+        entries = sorted(self.entries(), key=lambda e: e.last_request)
+        touched = [e for e in entries if other in e.charge or other in e.need]
+        idle = sorted((e for e in touched if e.idle_seq), key=lambda e: e.idle_seq)
+        for entry in idle:
+            self.policy.busy(entry)
+        admitted = [e for e in touched if e.state in (State.READY, State.RELEASING)]
+        if self._remove is not None:
+            for entry in admitted:
+                self._remove(entry)
+        for entry in touched:
+            same = entry.charge is entry.need
+            entry.need = self._move(entry.need, other, keep)
+            entry.charge = entry.need if same else self._move(entry.charge, other, keep)
+        kept.budget = max(kept.budget, gone.budget)
+        kept.capacity = max(kept.capacity, gone.capacity)
+        kept.used += gone.used
+        kept.releasing += gone.releasing
+        kept.idle_bytes += gone.idle_bytes
+        for name, target in list(self.canon.items()):
+            if target == other:
+                self.canon[name] = keep
+        self.canon[other] = keep
+        self.spaces[other] = kept
+        self.canon_names.remove(other)
+        if other in self._overdrawn:
+            self._overdrawn.discard(other)
+        if kept.used > kept.capacity:
+            self._overdrawn.add(keep)
+        if self._admit is not None:
+            for entry in admitted:
+                self._admit(entry)
+        for entry in idle:
+            self.policy.idle(entry)
+        self._schedule()
+
+    @staticmethod
+    def _move(charge: dict[str, int], other: str, keep: str) -> dict[str, int]:
+        if other not in charge:
+            return charge
+        moved = dict(charge)
+        moved[keep] = moved.get(keep, 0) + moved.pop(other)
+        return moved
+
+    def aliases(self) -> list[tuple[str, ...]]:
+        """The groups of space names known to be one memory (each group sorted)."""
+        groups: dict[str, list[str]] = {}
+        for name, target in self.canon.items():
+            groups.setdefault(target, [target]).append(name)
+        return sorted(tuple(sorted(group)) for group in groups.values())
 
     def release_done(self, entry: Entry) -> None:
         """The owner acknowledged the release ("freed"): the bytes come back.
@@ -738,7 +839,7 @@ class Core:
         if not self.queue:
             return
         spaces = self.spaces
-        every_space = len(spaces)
+        every_space = len(self.canon_names)
         promised: dict[str, int] = {}  # to earlier waiters: granted in this pass, or covered
         granted: dict[str, int] = {}  # granted in this pass, not yet in ``used``
         unfinished: set[str] = set()  # spaces where an earlier waiter is not granted yet
@@ -894,7 +995,8 @@ class Core:
                 assert sum(entry.holders.values()) == entry.leases, entry
                 assert entry in self.leased, entry
         assert self.idle_count == sum(1 for e in self.entries() if e.idle_seq), self.idle_count
-        for name, space in self.spaces.items():
+        for name in self.canon_names:
+            space = self.spaces[name]
             assert space.used == used[name], (name, space.used, used[name])
             assert space.releasing == releasing[name], (name, space.releasing, releasing[name])
             assert space.idle_bytes == idle[name], (name, space.idle_bytes, idle[name])

@@ -23,6 +23,7 @@ RELEASE_REQUESTED: Final = "cachebroker.release.requested"
 RELEASE_FREED: Final = "cachebroker.release.freed"
 RELEASE_FAILED: Final = "cachebroker.release.failed"
 QUARANTINE_FORGOTTEN: Final = "cachebroker.quarantine.forgotten"
+ALIAS_LEARNED: Final = "cachebroker.alias.learned"
 
 ALL: Final = (
     HIT,
@@ -38,4 +39,5 @@ ALL: Final = (
     RELEASE_FREED,
     RELEASE_FAILED,
     QUARANTINE_FORGOTTEN,
+    ALIAS_LEARNED,
 )

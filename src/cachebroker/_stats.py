@@ -26,6 +26,8 @@ class Stats:
         evictions: Entries released to make room (by accounting or after an
             out-of-memory error) or because they sat idle.
         oom_retries: Loads retried after an out-of-memory error freed a victim.
+        aliases: Groups of space names the broker treats as one memory
+            (given, or learned from retries); pass to ``Broker(aliases=...)``.
         releases: Releases started, by reason (capacity, idle, invalidate, clear,
             close, unretained, rejected, retry).
         releases_failed: Releases that raised or timed out (now quarantined).
@@ -49,6 +51,7 @@ class Stats:
     load_seconds: float
     evictions: int
     oom_retries: int
+    aliases: tuple[tuple[str, ...], ...] = ()
     releases: Mapping[str, int]
     releases_failed: int
     waiting: int
