@@ -48,6 +48,7 @@ from ._errors import (
 from ._policy import Policy, make_policy
 from ._sizes import parse_budget, parse_bytes, parse_size
 from ._stats import EvictionReport, Stats
+from .probes import Probe
 
 __all__ = ["Acquisition", "Broker", "Cache", "Lease", "Releaser"]
 
@@ -148,8 +149,9 @@ class Broker:
                     ...
 
     Args:
-        budget: Bytes as an ``int``, a string such as ``"24GiB"``, or a mapping of
-            space name to either. A single quantity means one space named
+        budget: Bytes as an ``int``, a string such as ``"24GiB"``, a hardware
+            probe (``cachebroker.probes``), or a mapping of space name to any
+            of these. A single quantity means one space named
             ``"default"``. A budget of 0 everywhere turns retention off: every
             acquire loads (concurrent ones still share a load) and a value is
             released as soon as its last lease ends.
@@ -171,6 +173,11 @@ class Broker:
             (the larger budget) and evict from each other.
         alias_threshold: How many times a load in one space must have fit only
             after freeing in another before the broker merges the two.
+        memory_wait: After a release on a probed space, how long to wait for
+            the device to show at least 75% of the bytes back before granting
+            them (``None`` or 0: do not wait).
+        probe_interval: Seconds between re-reads of probed spaces on the
+            broker's timer (they are also re-read before every miss).
 
     .. versionadded:: 0.1.0
     """
@@ -188,8 +195,13 @@ class Broker:
         oom_retries: int = 8,
         aliases: Iterable[Iterable[str]] = (),
         alias_threshold: int = 3,
+        memory_wait: float | None = 5.0,
+        probe_interval: float = 1.0,
     ) -> None:
+        budget, self._probes = _split_probes(budget)
         spaces = parse_budget(budget)
+        self._memory_wait = _positive_seconds(memory_wait, "memory_wait") if memory_wait else None
+        self._probe_interval = _positive_seconds(probe_interval, "probe_interval")
         self._oom_errors = _oom_error_types(oom_errors)
         if isinstance(oom_retries, bool) or not isinstance(oom_retries, int) or oom_retries < 0:
             raise InvalidArgument(f"oom_retries must be a non-negative int, got {oom_retries!r}")
@@ -198,7 +210,12 @@ class Broker:
         self._release_timeout = _positive_seconds(release_timeout, "release_timeout")
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
-        self._core = Core(spaces, make_policy(policy), idle_ttl=self._idle_ttl)
+        self._core = Core(
+            spaces,
+            make_policy(policy),
+            idle_ttl=self._idle_ttl,
+            retain=True if self._probes else None,
+        )
         if isinstance(alias_threshold, bool) or not isinstance(alias_threshold, int):
             raise TypeError(f"alias_threshold must be an int, got {alias_threshold!r}")
         if alias_threshold < 1:
@@ -222,6 +239,7 @@ class Broker:
         self._trace = True
         self._sweep_at: float | None = None
         self._releasing_tasks: set[object] = set()
+        self._refresh_probes()
         self._sweep_wake: anyio.Event | None = None
 
     # ------------------------------------------------------------ life cycle
@@ -378,7 +396,7 @@ class Broker:
             + counts[State.RELEASING]
             + counts[State.QUARANTINED],
             used={name: space.used for name, space in core.spaces.items()},
-            budget=dict(self._budget),
+            budget={name: space.budget for name, space in core.spaces.items()},
             hits=core.hits,
             misses=core.misses,
             loads=core.loads,
@@ -604,8 +622,15 @@ class Broker:
             cache._spawn(self._watch_release, entry, watchdog, self._release_timeout)
         task = self._current_task()
         self._releasing_tasks.add(task)
+        probed = {
+            name: self._probes[name].read()[1]
+            for name in entry.charge
+            if name in self._probes and self._memory_wait
+        }
         try:
             await cache._release(entry.key, entry.value)
+            if probed:
+                await self._wait_for_memory(entry, probed)
         except anyio.get_cancelled_exc_class():
             core.release_failed(entry, ReleaseFailed("the release was cancelled"))
             raise
@@ -664,10 +689,48 @@ class Broker:
             self._sweep_at = deadline
             wake = self._sweep_wake = anyio.Event()
             delay = math.inf if deadline is None else max(0.0, deadline - self._clock())
+            if self._probes:
+                delay = min(delay, self._probe_interval or math.inf)
             with anyio.move_on_after(delay):
                 await wake.wait()
+            if self._probes:
+                self._refresh_probes()
             core.sweep(self._clock())
             self._apply()
+
+    def _refresh_probes(self) -> None:
+        """Re-read every probed space's device and set its capacity."""
+        core = self._core
+        for name, probe in self._probes.items():
+            total, free = probe.read()
+            held = core.spaces[name].used
+            capacity = max(0, min(total - probe.headroom, free + held - probe.headroom))
+            core.set_capacity(name, capacity, limit=total - probe.headroom)
+        if self._running:
+            self._apply()
+
+    async def _wait_for_memory(self, entry: Entry, before: dict[str, int]) -> None:
+        """After a release on probed spaces, wait (bounded) for the device to show it."""
+        wanted = {
+            name: free + int(0.75 * entry.charge.get(name, 0)) for name, free in before.items()
+        }
+        with anyio.move_on_after(self._memory_wait or 0):
+            while True:
+                short = {
+                    name: need
+                    for name, need in wanted.items()
+                    if self._probes[name].read()[1] < need
+                }
+                if not short:
+                    return
+                await anyio.sleep(0.02)
+        self._log.warning(
+            ev.MEMORY_SLOW,
+            cache=entry.owner.name,
+            key=entry.key,
+            spaces=sorted(short),
+            waited=self._memory_wait,
+        )
 
     def _note_idle(self, entry: Entry) -> None:
         """Wake the sweeper if ``entry`` expires before its current deadline."""
@@ -964,6 +1027,8 @@ class Cache:
         need = {} if measure is not None else parse_size(size, broker._budget)
         task = broker._current_task()
         core = broker._core
+        if broker._probes:
+            broker._refresh_probes()
         ticket = core.request(self._owner, key, need, task, cost=cost)
         entry = ticket.entry
         if entry.state is State.WAITING and task in broker._releasing_tasks:
@@ -1184,6 +1249,28 @@ def _own_copy(error: BaseException) -> BaseException:
     twin.__cause__ = error if error.__traceback__ is not None else error.__cause__
     twin.__traceback__ = None
     return twin
+
+
+def _split_probes(budget: Any) -> tuple[Any, dict[str, Probe]]:
+    """Separate probed spaces from fixed ones; probed ones start at their first reading."""
+    from ._sizes import DEFAULT_SPACE
+
+    if isinstance(budget, Probe):
+        budget = {DEFAULT_SPACE: budget}
+    if not isinstance(budget, Mapping):
+        return budget, {}
+    fixed: dict[str, Any] = {}
+    probes: dict[str, Probe] = {}
+    for name, amount in budget.items():
+        if isinstance(amount, Probe):
+            probes[name] = amount
+            fixed[name] = 0
+        elif callable(amount):
+            probes[name] = Probe(amount, name=str(name))
+            fixed[name] = 0
+        else:
+            fixed[name] = amount
+    return fixed, probes
 
 
 def _alias_groups(groups: Iterable[Iterable[str]], spaces: Mapping[str, int]) -> list[list[str]]:

@@ -79,13 +79,15 @@ class Effect(enum.Enum):
 class Space:
     """One memory budget and its books."""
 
-    __slots__ = ("budget", "capacity", "idle_bytes", "name", "releasing", "used")
+    __slots__ = ("budget", "capacity", "idle_bytes", "limit", "name", "releasing", "used")
 
     def __init__(self, name: str, budget: int, *, bounded: bool) -> None:
         self.name = name
         self.budget = budget
         # Unbounded (retention off) spaces admit everything; their books still add up.
         self.capacity = budget if bounded else UNBOUNDED
+        #: The most this space can ever hold: sizes above it fail fast.
+        self.limit = self.capacity
         self.used = 0
         self.releasing = 0
         self.idle_bytes = 0
@@ -214,8 +216,9 @@ class Core:
         policy: Policy,
         *,
         idle_ttl: float | None = None,
+        retain: bool | None = None,
     ) -> None:
-        self.retain = any(amount > 0 for amount in budget.values())
+        self.retain = any(amount > 0 for amount in budget.values()) if retain is None else retain
         self.spaces = {
             name: Space(name, amount, bounded=self.retain) for name, amount in budget.items()
         }
@@ -380,8 +383,8 @@ class Core:
     def _check_fit(self, need: Mapping[str, int]) -> None:
         for name, amount in need.items():
             space = self.spaces[name]
-            if amount > space.capacity:
-                raise RequestTooLarge(name, amount, space.budget)
+            if amount > space.limit:
+                raise RequestTooLarge(name, amount, space.limit)
 
     def _create(self, owner: Owner, key: Hashable, need: dict[str, int]) -> Entry:
         entry = Entry(owner, key, need)
@@ -521,9 +524,24 @@ class Core:
     def _oversize(self, entry: Entry) -> RequestTooLarge | None:
         for name, amount in entry.charge.items():
             space = self.spaces[name]
-            if amount > space.capacity:
-                return RequestTooLarge(name, amount, space.budget)
+            if amount > space.limit:
+                return RequestTooLarge(name, amount, space.limit)
         return None
+
+    def set_capacity(self, name: str, capacity: int, limit: int | None = None) -> None:
+        """A probed space's capacity changed (the device's free memory moved).
+
+        Shrinking below what is charged evicts idle entries at once; growing
+        may grant waiting requests.
+        """
+        name = self.canon.get(name, name)
+        space = self.spaces[name]
+        space.budget = space.capacity = max(0, capacity)
+        if limit is not None:
+            space.limit = max(0, limit)
+        if space.used > space.capacity:
+            self._overdrawn.add(name)
+        self._schedule()
 
     # ----------------------------------------------------------------- leases
 
@@ -670,6 +688,7 @@ class Core:
             entry.charge = entry.need if same else self._move(entry.charge, other, keep)
         kept.budget = max(kept.budget, gone.budget)
         kept.capacity = max(kept.capacity, gone.capacity)
+        kept.limit = max(kept.limit, gone.limit)
         kept.used += gone.used
         kept.releasing += gone.releasing
         kept.idle_bytes += gone.idle_bytes

@@ -24,6 +24,7 @@ RELEASE_FREED: Final = "cachebroker.release.freed"
 RELEASE_FAILED: Final = "cachebroker.release.failed"
 QUARANTINE_FORGOTTEN: Final = "cachebroker.quarantine.forgotten"
 ALIAS_LEARNED: Final = "cachebroker.alias.learned"
+MEMORY_SLOW: Final = "cachebroker.release.memory_slow"
 
 ALL: Final = (
     HIT,
@@ -40,4 +41,5 @@ ALL: Final = (
     RELEASE_FAILED,
     QUARANTINE_FORGOTTEN,
     ALIAS_LEARNED,
+    MEMORY_SLOW,
 )
