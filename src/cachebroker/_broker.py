@@ -73,6 +73,7 @@ class Releaser(Protocol):
 
 ReleaseFunction = Callable[[Any, Any], Awaitable[None]]
 SizeSpec = int | str | Mapping[str, int | str] | Callable[[Any], Any] | None
+BudgetValue = int | str | Probe | Callable[[], tuple[int, int]]
 
 
 class _Slot:
@@ -184,7 +185,7 @@ class Broker:
 
     def __init__(
         self,
-        budget: int | str | Mapping[str, int | str],
+        budget: BudgetValue | Mapping[str, BudgetValue],
         *,
         policy: str | Policy = "lru",
         idle_ttl: float | None = None,
