@@ -868,6 +868,28 @@ class Core:
             if len(blocked) == every_space:
                 break  # Nobody further back may be granted or evicted for.
             need = entry.need
+            if len(need) == 1:  # The common case, without set and generator machinery.
+                ((name, amount),) = need.items()
+                if name in blocked:
+                    continue
+                space = spaces[name]
+                taken = promised.get(name, 0)
+                short = amount - (space.capacity - space.used + space.releasing - taken)
+                if short > 0 and not self._evict({name: short}):
+                    blocked.add(name)
+                    continue
+                promised[name] = taken + amount
+                extra = granted.get(name, 0)
+                if (
+                    entry.after is None
+                    and name not in unfinished
+                    and space.used + extra + amount <= space.capacity
+                ):
+                    granted[name] = extra + amount
+                    grants.append(entry)
+                else:
+                    unfinished.add(name)
+                continue
             if not blocked.isdisjoint(need):
                 blocked.update(need)
                 continue
