@@ -151,6 +151,7 @@ class Entry:
         "successor",
         "ttl",
         "value",
+        "weights",
     )
 
     def __init__(self, owner: Owner, key: Hashable, need: dict[str, int]) -> None:
@@ -158,6 +159,8 @@ class Entry:
         self.key = key
         self.need = need
         self.charge: dict[str, int] = {}
+        #: ``charge`` as (Space, bytes) pairs, for the hot paths.
+        self.weights: tuple[tuple[Space, int], ...] = ()
         self.state = State.WAITING
         self.leases = 0
         self.holders: dict[object, int] = {}
@@ -323,7 +326,12 @@ class Core:
         holders = entry.holders
         holders[task] = holders.get(task, 0) + 1
         self.hits += 1
-        self._count_request(entry)
+        # _count_request, inlined: this is the hit path.
+        tick = self.tick = self.tick + 1
+        entry.requests += 1
+        entry.last_request = tick
+        if self._touch is not None:
+            self._touch(entry)
 
     def _count_request(self, entry: Entry) -> None:
         self.tick += 1
@@ -502,6 +510,10 @@ class Core:
         self._gone(entry)
         self._schedule()
 
+    def _set_charge(self, entry: Entry, charge: dict[str, int]) -> None:
+        entry.charge = charge
+        entry.weights = tuple((self.spaces[name], amount) for name, amount in charge.items())
+
     def _canonical(self, charge: dict[str, int]) -> dict[str, int]:
         merged: dict[str, int] = {}
         for name, amount in charge.items():
@@ -514,7 +526,7 @@ class Core:
             measured = self._canonical(measured)
         for name, amount in entry.charge.items():
             self.spaces[name].used -= amount
-        entry.charge = measured
+        self._set_charge(entry, measured)
         for name, amount in measured.items():
             space = self.spaces[name]
             space.used += amount
@@ -582,9 +594,11 @@ class Core:
             self._start_release(entry, Reason.IDLE)
             return
         entry.idle_seq = next(self._seq)
-        for name, amount in entry.charge.items():
-            self.spaces[name].idle_bytes += amount
-        if not entry.charge:
+        weights = entry.weights
+        if weights:
+            for space, amount in weights:
+                space.idle_bytes += amount
+        else:
             self._unsized[entry] = None
         self.policy.idle(entry)
         self.idle_count += 1
@@ -598,10 +612,13 @@ class Core:
                 heapq.heapify(heap)
 
     def _unidle(self, entry: Entry) -> None:
-        self._unsized.pop(entry, None)
+        weights = entry.weights
+        if weights:
+            for space, amount in weights:
+                space.idle_bytes -= amount
+        else:
+            self._unsized.pop(entry, None)
         self.policy.busy(entry)
-        for name, amount in entry.charge.items():
-            self.spaces[name].idle_bytes -= amount
         entry.idle_seq = 0
         self.idle_count -= 1
 
@@ -685,7 +702,7 @@ class Core:
         for entry in touched:
             same = entry.charge is entry.need
             entry.need = self._move(entry.need, other, keep)
-            entry.charge = entry.need if same else self._move(entry.charge, other, keep)
+            self._set_charge(entry, entry.need if same else self._move(entry.charge, other, keep))
         kept.budget = max(kept.budget, gone.budget)
         kept.capacity = max(kept.capacity, gone.capacity)
         kept.limit = max(kept.limit, gone.limit)
@@ -960,7 +977,7 @@ class Core:
     def _grant(self, entry: Entry) -> None:
         del self.queue[entry]
         entry.state = State.LOADING
-        entry.charge = entry.need
+        self._set_charge(entry, entry.need)
         for name, amount in entry.need.items():
             self.spaces[name].used += amount
         self.effects.append((Effect.START_LOAD, entry))
@@ -1025,6 +1042,9 @@ class Core:
                     releasing[name] += amount
                 if entry.idle_seq:
                     idle[name] += amount
+            assert [(s.name, n) for s, n in entry.weights] == [
+                (self.spaces[name].name, n) for name, n in entry.charge.items()
+            ], entry
             if entry.state is State.WAITING:
                 assert entry in self.queue, entry
                 assert not entry.charge, entry
