@@ -50,4 +50,5 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run the benchmarks against the peers, in one process each."""
     session.install("-e", ".[bench]")
-    session.run("python", "benchmarks/hit_path.py", *session.posargs)
+    for script in ("hit_path", "scaling", "contention", "policies", "soak"):
+        session.run("python", f"benchmarks/{script}.py", *session.posargs)

@@ -1,8 +1,11 @@
 """Hit path: acquire + release of a cached entry, side by side with value caches.
 
-Every contender runs in the same process, on the same loop, in interleaved
-rounds; the figure per contender is the median over rounds of the mean cost
-per call. Ratios are to a cached ``async-lru`` call measured in the same run.
+Contenders: cachebroker (awaited, and with ``async with``), async-lru,
+cachetools + asyncache and aiocache's ``SimpleMemoryCache.get`` (the peers run
+on asyncio and uvloop; only cachebroker runs on trio). Every contender runs in
+the same process, on the same loop, in interleaved rounds; the figure per
+contender is the median over rounds of the mean cost per call. Ratios are to a
+cached ``async-lru`` call measured in the same run.
 
     python benchmarks/hit_path.py [--calls N] [--rounds R] [--json]
 """
@@ -78,6 +81,27 @@ async def make_contenders(backend: str) -> tuple[dict[str, Bench], Any]:
             return time.perf_counter() - start
 
         contenders["async-lru cached call"] = alru
+
+        try:
+            import cachetools
+            from asyncache import cached as async_cached
+        except ImportError:
+            pass
+        else:
+
+            @async_cached(cachetools.LRUCache(maxsize=128))
+            async def lru_cached(key: str) -> str:
+                return "model"
+
+            await lru_cached("k")
+
+            async def asyncache_call(n: int) -> float:
+                start = time.perf_counter()
+                for _ in range(n):
+                    await lru_cached("k")
+                return time.perf_counter() - start
+
+            contenders["cachetools+asyncache cached call"] = asyncache_call
 
         try:
             from aiocache import SimpleMemoryCache

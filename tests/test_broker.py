@@ -265,7 +265,7 @@ async def test_last_requester_leaving_cancels_load_and_returns_reservation() -> 
         assert (stats.entries, stats.loading, stats.load_failures) == (0, 0, 0)
 
 
-async def test_failed_load_reaches_every_waiter_and_is_not_cached() -> None:
+async def test_failed_load_reaches_every_waiter_chained_and_is_not_cached() -> None:
     gate = anyio.Event()
     attempts = 0
 
@@ -291,6 +291,13 @@ async def test_failed_load_reaches_every_waiter_and_is_not_cached() -> None:
             gate.set()
         assert len(errors) == 3
         assert all(str(e) == "corrupt checkpoint" for e in errors)
+        # Each waiter raises its own exception, chained to the one the loader
+        # raised, whose traceback shows where the load failed.
+        original = errors[0].__cause__
+        assert isinstance(original, ValueError)
+        assert original.__traceback__ is not None
+        assert all(e.__cause__ is original for e in errors)
+        assert len({id(e) for e in errors}) == 3
         stats = broker.stats_nowait()
         assert (stats.used, stats.load_failures, stats.entries) == ({"default": 0}, 1, 0)
         with pytest.raises(ValueError, match="corrupt"):

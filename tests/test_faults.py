@@ -176,36 +176,6 @@ async def test_loader_may_acquire_other_keys_and_read_stats() -> None:
             assert lease.value == "pipeline(tok, loading=1)"
 
 
-async def test_every_waiter_gets_loader_error_type_chained_to_the_original() -> None:
-    gate = anyio.Event()
-
-    async def load() -> str:
-        await gate.wait()
-        raise KeyError("missing shard 3")
-
-    caught: list[BaseException] = []
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
-
-        async def user() -> None:
-            try:
-                await cache.acquire("k", load=load, size=10)
-            except KeyError as exc:
-                caught.append(exc)
-
-        async with anyio.create_task_group() as tg:
-            for _ in range(3):
-                tg.start_soon(user)
-            await wait_until(lambda: broker.stats_nowait().hits == 2)
-            gate.set()
-    assert len(caught) == 3
-    original = caught[0].__cause__
-    assert isinstance(original, KeyError)
-    assert original.__traceback__ is not None  # shows where the loader failed
-    assert all(exc.__cause__ is original for exc in caught)
-    assert len({id(exc) for exc in caught}) == 3  # each waiter its own exception
-    assert all(exc.args == ("missing shard 3",) for exc in caught)
-
-
 async def test_cancelled_lease_holder_gives_its_lease_back() -> None:
     async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
         with anyio.move_on_after(0.01):
