@@ -232,6 +232,7 @@ class Core:
         self.policy = policy
         # Hooks a policy leaves as no-ops are not called at all (LRU's hit path).
         self._touch = _hook(policy, "touch")
+        self._busy = _hook(policy, "busy")
         self._admit = _hook(policy, "admit")
         self._remove = _hook(policy, "remove")
         #: The request clock: one tick per acquire (hit, join or miss).
@@ -618,7 +619,8 @@ class Core:
                 space.idle_bytes -= amount
         else:
             self._unsized.pop(entry, None)
-        self.policy.busy(entry)
+        if self._busy is not None:
+            self._busy(entry)
         entry.idle_seq = 0
         self.idle_count -= 1
 
@@ -694,7 +696,8 @@ class Core:
         touched = [e for e in entries if other in e.charge or other in e.need]
         idle = sorted((e for e in touched if e.idle_seq), key=lambda e: e.idle_seq)
         for entry in idle:
-            self.policy.busy(entry)
+            if self._busy is not None:
+                self._busy(entry)
         admitted = [e for e in touched if e.state in (State.READY, State.RELEASING)]
         if self._remove is not None:
             for entry in admitted:

@@ -108,31 +108,40 @@ def _cover(candidates: Iterator[Entry], shortfall: Mapping[str, int]) -> list[En
 class LRU(PolicyBase):
     """Least recently used first, among idle entries charged in the short spaces.
 
-    Each space keeps its idle entries in the order they became idle; a
-    shortfall in several spaces merges those orders by ``idle_seq``. Cost:
-    O(1) per lease and release, O(k log s) to pick k victims over s spaces.
+    Each space keeps its resident entries in the order they last became idle.
+    A leased entry keeps its place (the victim search skips it) and moves to
+    the end when it becomes idle again, so a hit and its release cost one
+    ``move_to_end`` per space. A shortfall in several spaces merges the
+    orders by ``idle_seq``. Picking k victims is O(k log s) over s spaces,
+    plus the leased entries passed on the way.
     """
 
-    __slots__ = ("_idle",)
+    __slots__ = ("_order",)
 
     def __init__(self) -> None:
-        self._idle: dict[str, OrderedDict[Entry, None]] = {}
+        self._order: dict[str, OrderedDict[Entry, None]] = {}
 
     def idle(self, entry: Entry) -> None:
         for space in entry.charge:
-            queue = self._idle.get(space)
-            if queue is None:
-                queue = self._idle[space] = OrderedDict()
-            queue[entry] = None
+            order = self._order.get(space)
+            if order is None:
+                order = self._order[space] = OrderedDict()
+            try:
+                order.move_to_end(entry)
+            except KeyError:
+                order[entry] = None
 
-    def busy(self, entry: Entry) -> None:
+    def remove(self, entry: Entry) -> None:
         for space in entry.charge:
-            self._idle[space].pop(entry, None)
+            order = self._order.get(space)
+            if order is not None:
+                order.pop(entry, None)
 
     def victims(self, shortfall: Mapping[str, int]) -> list[Entry]:
-        queues = [iter(self._idle.get(space, ())) for space in shortfall]
+        queues = [iter(self._order.get(space, ())) for space in shortfall]
         if len(queues) == 1:
             return _cover(queues[0], shortfall)
+        # Leased entries (idle_seq 0) come out first from each order and are skipped.
         return _cover(heapq.merge(*queues, key=lambda entry: entry.idle_seq), shortfall)
 
 
