@@ -701,3 +701,18 @@ async def test_bad_per_entry_settings_are_rejected() -> None:
             cache.acquire("k", load=loader(1), idle_ttl=-1)
         with pytest.raises(TypeError, match="pin must be True or False"):
             cache.acquire("k", load=loader(1), pin="yes")  # type: ignore[call-overload]
+
+
+def test_broker_runs_on_asyncio_without_sniffio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """anyio no longer needs sniffio; only trio brings it. A plain install must work."""
+    import asyncio
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sniffio", None)  # makes "import sniffio" fail
+
+    async def main() -> str:
+        async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+            async with cache.acquire("k", load=loader("v"), size=10) as lease:
+                return str(lease.value)
+
+    assert asyncio.run(main()) == "v"

@@ -30,7 +30,6 @@ from typing import Any, Generic, Protocol, TypeVar, cast, overload, runtime_chec
 import anyio
 import anyio.abc
 import anyio.to_thread
-import sniffio
 import structlog
 
 from . import _events as ev
@@ -275,7 +274,7 @@ class Broker:
     async def __aenter__(self) -> Broker:
         if self._running or self._core.closed:
             raise RuntimeError("a Broker can be entered only once")
-        backend = sniffio.current_async_library()
+        backend = _running_backend()
         self._current_task = _current_task_getter(backend)
         if backend == "trio":
             import trio
@@ -1326,6 +1325,15 @@ def _debug_enabled(log: Any) -> bool:
         return bool(is_enabled_for(logging.DEBUG))
     except Exception:  # a custom logger with another signature: keep every event
         return True
+
+
+def _running_backend() -> str:
+    """The event loop library running this task: "asyncio" or "trio"."""
+    try:
+        import sniffio
+    except ImportError:  # trio depends on sniffio: without it, only asyncio can run
+        return "asyncio"
+    return sniffio.current_async_library()
 
 
 def _loop_clock(backend: str) -> Callable[[], float]:
