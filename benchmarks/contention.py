@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import structlog
+from _backends import BACKENDS
 
 import cachebroker
 
@@ -82,15 +83,11 @@ def main() -> int:
     parser.add_argument("--tasks", type=int, default=1_000)
     parser.add_argument("--keys", type=int, default=100)
     parser.add_argument("--per-task", type=int, default=50)
-    parser.add_argument("--backend", choices=["asyncio", "uvloop", "trio"], default="asyncio")
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="asyncio")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    backend, options = {
-        "asyncio": ("asyncio", {}),
-        "uvloop": ("asyncio", {"use_uvloop": True}),
-        "trio": ("trio", {}),
-    }[args.backend]
+    backend, options = BACKENDS[args.backend]
     result = anyio.run(run, args, backend=backend, backend_options=options)
     if args.json:
         json.dump(result, sys.stdout, indent=2)

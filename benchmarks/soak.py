@@ -34,6 +34,7 @@ from typing import Any
 
 import anyio
 import structlog
+from _backends import BACKENDS
 
 import cachebroker
 
@@ -188,16 +189,12 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=200)
     parser.add_argument("--budget", default="256MiB")
     parser.add_argument("--release-timeout", type=float, default=0.05)
-    parser.add_argument("--backend", choices=["asyncio", "uvloop", "trio"], default="asyncio")
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="asyncio")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
-    backend, options = {
-        "asyncio": ("asyncio", {}),
-        "uvloop": ("asyncio", {"use_uvloop": True}),
-        "trio": ("trio", {}),
-    }[args.backend]
+    backend, options = BACKENDS[args.backend]
     result = anyio.run(Soak(args).run, False, backend=backend, backend_options=options)
     tracemalloc.start()
     traced = anyio.run(Soak(args).run, True, backend=backend, backend_options=options)

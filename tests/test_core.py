@@ -296,3 +296,32 @@ def test_closing_owner_fails_waiters_and_releases_idle_entries() -> None:
         h.ack(entry)
     assert not h.owner.live
     assert h.used() == 0
+
+
+def test_request_arriving_after_a_load_was_cancelled_starts_afresh() -> None:
+    h = Harness({"m": 100})
+    first = h.acquire("a", 30, task=1)
+    h.leave(first)  # its only requester left: the load is being cancelled
+    assert h.cancelled == [first.entry]
+    second = h.acquire("a", 30, task=2)  # before the load task noticed
+    assert second.entry is not first.entry
+    h.core.load_failed(first.entry, RuntimeError("cancelled"), cancelled=True)
+    h.loading.remove(first.entry)
+    h.drain()
+    assert second.outcome is None  # not failed by the other load's cancellation
+    h.finish(second.entry)
+    assert second.outcome is True
+
+
+def test_cancelled_load_that_finished_anyway_is_kept_or_released() -> None:
+    h = Harness({"m": 100})
+    first = h.acquire("a", 30, task=1)
+    h.leave(first)
+    h.finish(first.entry)  # a threaded load cannot be stopped: it finished
+    assert h.owner.entries["a"] is first.entry  # the key was free: kept
+    again = h.acquire("b", 30, task=1)
+    h.leave(again)
+    newer = h.acquire("b", 30, task=2)
+    h.finish(again.entry)  # finished, but a newer request owns the key
+    assert ("b", Reason.ABANDONED) in h.released
+    assert h.owner.entries["b"] is newer.entry

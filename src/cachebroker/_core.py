@@ -63,6 +63,7 @@ class Reason(enum.Enum):
     UNRETAINED = "unretained"
     REJECTED = "rejected"
     RETRY = "retry"
+    ABANDONED = "abandoned"
 
 
 class Effect(enum.Enum):
@@ -455,6 +456,9 @@ class Core:
             self._check_empty(entry.owner)
             self._schedule()
         elif entry.state is State.LOADING:
+            # A cancelled load gives up its key: a request arriving before the
+            # load task notices must start afresh, not inherit the cancellation.
+            self._detach(entry)
             self.effects.append((Effect.CANCEL_LOAD, entry))
 
     # ------------------------------------------------------------------ loads
@@ -485,6 +489,14 @@ class Core:
         if measured is not None and measured != entry.charge:
             self._recharge(entry, measured)
         rejected = error if error is not None else self._oversize(entry)
+        owner = entry.owner
+        if entry.doomed is None and owner.entries.get(entry.key) is not entry:
+            # Its requesters all left, yet it finished (a thread cannot be
+            # stopped): keep it if its key is free, else it is superfluous.
+            if entry.key in owner.entries:
+                entry.doomed = Reason.ABANDONED
+            else:
+                owner.entries[entry.key] = entry
         if rejected is not None:
             self._fail_joiners(entry, rejected)
         for ticket in entry.joiners:
@@ -623,6 +635,8 @@ class Core:
             self._busy(entry)
         entry.idle_seq = 0
         self.idle_count -= 1
+        if not self.idle_count and self._expiry:
+            self._expiry.clear()  # every item is stale: let their entries go
 
     # --------------------------------------------------------------- releases
 

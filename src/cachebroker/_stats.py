@@ -29,7 +29,7 @@ class Stats:
         aliases: Groups of space names the broker treats as one memory
             (given, or learned from retries); pass to ``Broker(aliases=...)``.
         releases: Releases started, by reason (capacity, idle, invalidate, clear,
-            close, unretained, rejected, retry).
+            close, unretained, rejected, retry, abandoned).
         releases_failed: Releases that raised or timed out (now quarantined).
         waiting: Requests queued for space.
         loading: Entries whose load is running.
