@@ -144,12 +144,14 @@ class Soak:
                 elapsed = time.perf_counter() - started
                 done.set()
             stats = await broker.stats()
+            totals = {"hits": stats.hits, "misses": stats.misses, "evictions": stats.evictions}
             await anyio.sleep(args.release_timeout * 3)  # late acknowledgements land
             await broker.clear()
             await self.forget_all(broker)
             final = await broker.stats()
             broker._core.check()
             assert final.waiting == 0 and final.leased == 0 and final.entries == 0, final
+            del stats, final  # the snapshots themselves must not count as the broker's
             after = self.memory() if trace else 0
         waits = sorted(self.waits)
         return {
@@ -161,9 +163,7 @@ class Soak:
             "ops_per_second": self.ops / elapsed,
             "wait_p50_us": statistics.median(waits) * 1e6,
             "wait_p99_us": waits[int(len(waits) * 0.99)] * 1e6,
-            "hits": stats.hits,
-            "misses": stats.misses,
-            "evictions": stats.evictions,
+            **totals,
             "faults": dict(sorted(self.faults.items())),
             "broker_memory_before": before,
             "broker_memory_after": after,

@@ -649,6 +649,8 @@ class Broker:
             )
         finally:
             self._releasing_tasks.discard(task)
+            if not self._releasing_tasks:
+                self._releasing_tasks.clear()  # give the emptied table back
             watchdog.cancel()
             self._apply()
             assert slot.released is not None

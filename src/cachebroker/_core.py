@@ -203,6 +203,13 @@ class Entry:
         return f"<Entry {self.owner.name}:{self.key!r} {self.state.value} leases={self.leases}>"
 
 
+def _shrink_if_empty(container: dict[Any, Any] | set[Any]) -> None:
+    """Give an emptied container's table back: CPython keeps a dict's or set's
+    peak size until it is cleared, so a burst would hold memory for good."""
+    if not container:
+        container.clear()
+
+
 def _hook(policy: Policy, name: str) -> Callable[[Entry], None] | None:
     """``policy.name``, or ``None`` when it is PolicyBase's no-op (so it is not called)."""
     method = getattr(policy, name, None)
@@ -768,6 +775,7 @@ class Core:
                 self.spaces[name].releasing -= amount
         elif entry.state is State.QUARANTINED:
             del self.quarantined[entry]
+            _shrink_if_empty(self.quarantined)
         else:
             return
         self._discharge(entry)
@@ -794,6 +802,7 @@ class Core:
         """Write off a quarantined entry: the operator says its memory is free."""
         if entry.state is State.QUARANTINED:
             del self.quarantined[entry]
+            _shrink_if_empty(self.quarantined)
             self._discharge(entry)
             entry.state = State.GONE
             self._schedule()
@@ -805,6 +814,7 @@ class Core:
             successor = entry.successor
             if successor is None:
                 del owner.entries[entry.key]
+                _shrink_if_empty(owner.entries)
             else:
                 owner.entries[entry.key] = successor
                 successor.after = None
@@ -993,6 +1003,7 @@ class Core:
 
     def _grant(self, entry: Entry) -> None:
         del self.queue[entry]
+        _shrink_if_empty(self.queue)
         entry.state = State.LOADING
         self._set_charge(entry, entry.need)
         for name, amount in entry.need.items():
@@ -1009,6 +1020,7 @@ class Core:
 
     def _drop_waiting(self, entry: Entry) -> None:
         del self.queue[entry]
+        _shrink_if_empty(self.queue)
         if entry.after is not None:
             entry.after.successor = None
             entry.after = None
@@ -1020,6 +1032,7 @@ class Core:
         owner = entry.owner
         if owner.entries.get(entry.key) is entry:
             del owner.entries[entry.key]
+            _shrink_if_empty(owner.entries)
 
     def _discharge(self, entry: Entry) -> None:
         for name, amount in entry.charge.items():
@@ -1031,6 +1044,7 @@ class Core:
         entry.state = State.GONE
         owner = entry.owner
         owner.live.discard(entry)
+        _shrink_if_empty(owner.live)
         self._check_empty(owner)
 
     def _check_empty(self, owner: Owner) -> None:

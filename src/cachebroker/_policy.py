@@ -136,6 +136,8 @@ class LRU(PolicyBase):
             order = self._order.get(space)
             if order is not None:
                 order.pop(entry, None)
+                if not order:
+                    order.clear()  # give the emptied table back
 
     def victims(self, shortfall: Mapping[str, int]) -> list[Entry]:
         queues = [iter(self._order.get(space, ())) for space in shortfall]
