@@ -34,6 +34,7 @@ class Resident:
         self.leases = 1
         self.idle_order = 0  # order in which it last became idle
         self.base = 0.0  # GDSF: the clock at its last request
+        self.ranked = admitted  # GDSF: when it was last (re)ranked; breaks ties
 
 
 class Reference:
@@ -77,7 +78,9 @@ def gdsf_priority(ref: Reference, r: Resident) -> float:
 
 
 def gdsf_victims(ref: Reference, shortfall: int) -> list[Resident]:
-    chosen = take(sorted(ref.idle(), key=lambda r: gdsf_priority(ref, r)), shortfall)
+    # Equal priorities: the one ranked earlier goes first, as in a heap of
+    # (priority, push order) items.
+    chosen = take(sorted(ref.idle(), key=lambda r: (gdsf_priority(ref, r), r.ranked)), shortfall)
     if chosen:
         ref.clock = max(ref.clock, max(gdsf_priority(ref, r) for r in chosen))
     return chosen
@@ -122,6 +125,7 @@ class PolicyMachine(RuleBasedStateMachine):
             resident.requests += 1
             resident.leases += 1
             resident.base = ref.clock
+            resident.ranked = ref.next()
         else:
             used = sum(r.size for r in ref.resident.values())
             shortfall = used + size - BUDGET
