@@ -27,16 +27,22 @@ import structlog
 import cachebroker
 
 
+async def load() -> str:
+    return "v"
+
+
+async def fill(cache: cachebroker.Cache, keys: range) -> None:
+    """Load each key (one byte each) and leave it idle."""
+    for key in keys:
+        await (await cache.acquire(key, load=load, size=1)).release()
+
+
 async def eviction_ratio(k: int, delay: float) -> float:
     async def release(key: str, value: object) -> None:
         await anyio.sleep(delay)
 
-    async def load() -> str:
-        return "v"
-
     async with cachebroker.Broker(budget=k) as broker, broker.cache("b", release) as cache:
-        for i in range(k):
-            await (await cache.acquire(i, load=load, size=1)).release()
+        await fill(cache, range(k))
         started = time.perf_counter()
         await (await cache.acquire("big", load=load, size=k)).release()
         return (time.perf_counter() - started) / delay
@@ -48,15 +54,10 @@ async def scale_costs(entries: int, calls: int) -> tuple[float, float]:
     async def release(key: object, value: object) -> None:
         pass
 
-    async def load() -> str:
-        return "v"
-
     async with cachebroker.Broker(budget=entries) as broker, broker.cache("b", release) as cache:
-        for i in range(entries):
-            await (await cache.acquire(i, load=load, size=1)).release()
+        await fill(cache, range(entries))
         started = time.perf_counter()
-        for i in range(entries, entries + calls):
-            await (await cache.acquire(i, load=load, size=1)).release()
+        await fill(cache, range(entries, entries + calls))
         miss = (time.perf_counter() - started) / calls
         hot = entries + calls - 1
         started = time.perf_counter()
