@@ -661,6 +661,7 @@ async def test_idle_ttl_zero_releases_at_last_lease_end() -> None:
     async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
         async with cache.acquire("k", load=loader(1), size=10, idle_ttl=0):
             pass
+        assert broker.stats_nowait().releasing == 1  # in the lease's last step
         await wait_until(lambda: plugin.released == ["k"])
 
 

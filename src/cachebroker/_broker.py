@@ -55,6 +55,8 @@ __all__ = ["Acquisition", "Broker", "Cache", "Lease", "Releaser"]
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
+_READY = State.READY
+
 
 @runtime_checkable
 class Releaser(Protocol):
@@ -921,14 +923,18 @@ class Cache:
         reservation returned) when the last one leaves. On trio a cache hit is a
         cancellation point; on asyncio a hit completes without suspending.
         """
+        if cost is None and idle_ttl is None and pin is False:  # The hit path's usual call.
+            return Acquisition(self, key, load, size, timeout)
         if cost is not None:
             cost = _non_negative_seconds(cost, "cost")
         if idle_ttl is not None:
             idle_ttl = _non_negative_seconds(idle_ttl, "idle_ttl", allow_inf=True)
         if not isinstance(pin, bool):
             raise TypeError(f"pin must be True or False, got {pin!r}")
-        options = None if idle_ttl is None and not pin else (idle_ttl, pin)
-        return Acquisition(self, key, load, size, timeout, cost, options)
+        tuned: _Tuned[Any] = _Tuned(self, key, load, size, timeout)
+        tuned._cost = cost
+        tuned._options = None if idle_ttl is None and not pin else (idle_ttl, pin)
+        return tuned
 
     async def invalidate(self, key: Hashable) -> bool:
         """Drop ``key``'s value so the next acquire loads afresh.
@@ -974,40 +980,6 @@ class Cache:
                 f"cache keys must be hashable, got {type(key).__name__} {key!r}"
             ) from None
 
-    def _hit(self, key: Hashable) -> Lease[Any] | None:
-        """Lease ``key`` if it is ready, in one synchronous step; else ``None``."""
-        entry = self._find(key)
-        if entry is None or entry.state is not State.READY or self._owner.closing:
-            return None
-        broker = self._broker
-        task = broker._current_task()
-        broker._core.hit(entry, task)
-        if broker._trace:
-            broker._log.debug(ev.HIT, cache=self.name, key=key)
-        return Lease(entry, broker, task)
-
-    async def _acquire(
-        self,
-        key: Hashable,
-        load: Callable[[], Any],
-        size: SizeSpec,
-        timeout: float | None,
-        cost: float | None = None,
-        options: tuple[float | None, bool] | None = None,
-    ) -> Lease[Any]:
-        checkpoint = self._broker._checkpoint
-        if checkpoint is not None:
-            await checkpoint()
-        lease = self._hit(key)
-        if lease is None:
-            lease = await self._acquire_slow(key, load, size, timeout, cost)
-        if options is not None:
-            idle_ttl, pin = options
-            entry = lease._entry
-            assert entry is not None
-            self._broker._core.configure(entry, idle_ttl=idle_ttl, pin=pin or None)
-        return lease
-
     async def _acquire_slow(
         self,
         key: Hashable,
@@ -1017,6 +989,7 @@ class Cache:
         cost: float | None = None,
     ) -> Lease[Any]:
         broker = self._broker
+        self._find(key)  # an unhashable key is an InvalidKey
         if self._closed or not broker._running:
             raise BrokerClosed(f"cache {self.name!r} is closed")
         if not callable(load):
@@ -1110,7 +1083,12 @@ class Cache:
 class Acquisition(Generic[T_co]):
     """The pending result of ``cache.acquire(...)``: await it or use it with ``async with``."""
 
-    __slots__ = ("_cache", "_cost", "_key", "_lease", "_load", "_options", "_size", "_timeout")
+    __slots__ = ("_cache", "_key", "_lease", "_load", "_size", "_timeout")
+
+    # The hit path builds one of these per call: the options most calls leave
+    # at their defaults are read from the class (``_Tuned`` carries them).
+    _cost: float | None = None
+    _options: tuple[float | None, bool] | None = None
 
     def __init__(
         self,
@@ -1119,12 +1097,8 @@ class Acquisition(Generic[T_co]):
         load: Callable[[], Any],
         size: SizeSpec,
         timeout: float | None,
-        cost: float | None,
-        options: tuple[float | None, bool] | None,
     ) -> None:
         self._cache = cache
-        self._cost = cost
-        self._options = options
         self._key = key
         self._load = load
         self._size = size
@@ -1132,31 +1106,52 @@ class Acquisition(Generic[T_co]):
         self._lease: Lease[Any] | None = None
 
     def __await__(self) -> Generator[Any, Any, Lease[T_co]]:
+        # The hit path, written out in one frame: a ready entry is leased in
+        # this step, without building a coroutine (docs/architecture.md).
         cache = self._cache
-        if cache._broker._checkpoint is None and self._options is None:
-            # asyncio: a hit is served in this step, without building a coroutine.
-            lease = cache._hit(self._key)
-            if lease is not None:
-                return lease
-        acquiring = cache._acquire(
-            self._key, self._load, self._size, self._timeout, self._cost, self._options
-        )
-        return (yield from acquiring.__await__())
-
-    async def __aenter__(self) -> Lease[T_co]:
-        if self._lease is not None:
-            raise RuntimeError("this acquire(...) was already entered; call acquire() again")
-        lease = self._lease = await self
+        broker = cache._broker
+        checkpoint = broker._checkpoint
+        if checkpoint is not None:  # trio: every acquire is a cancellation point
+            yield from checkpoint().__await__()
+        try:
+            entry = cache._entries.get(self._key)
+        except TypeError:
+            entry = None  # _acquire_slow raises InvalidKey
+        if entry is not None and entry.state is _READY and not cache._owner.closing:
+            task = broker._current_task()
+            broker._core.hit(entry, task)
+            if broker._trace:
+                broker._log.debug(ev.HIT, cache=cache.name, key=self._key)
+            lease: Lease[T_co] = Lease(entry, broker, task)
+        else:
+            slow = cache._acquire_slow(self._key, self._load, self._size, self._timeout, self._cost)
+            lease = yield from slow.__await__()
+        if self._options is not None:
+            idle_ttl, pin = self._options
+            broker._core.configure(cast(Entry, lease._entry), idle_ttl=idle_ttl, pin=pin or None)
+        self._lease = lease  # for __aexit__
         return lease
 
-    async def __aexit__(
+    def __aenter__(self) -> Awaitable[Lease[T_co]]:
+        # Plain methods returning awaitables: ``async with`` costs no coroutines.
+        if self._lease is not None:
+            raise RuntimeError("this acquire(...) was already entered; call acquire() again")
+        return self
+
+    def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None:
-        if self._lease is not None:
-            await self._lease.release()
+    ) -> Awaitable[None]:
+        lease = self._lease
+        return _DONE if lease is None else lease.release()
+
+
+class _Tuned(Acquisition[T_co]):
+    """An ``Acquisition`` given ``cost``, ``idle_ttl`` or ``pin``."""
+
+    __slots__ = ("_cost", "_options")
 
 
 class Lease(Generic[T_co]):
@@ -1202,10 +1197,12 @@ class Lease(Generic[T_co]):
         self._entry = None
         broker = self._broker
         core = broker._core
-        core.lease_end(entry, self._task, broker._clock())
+        # When the entry went idle only matters to an idle TTL: skip the clock otherwise.
+        timed = entry.ttl is not None or broker._idle_ttl is not None
+        core.lease_end(entry, self._task, broker._clock() if timed else 0.0)
         if core.effects:
             broker._apply()
-        if entry.idle_seq and (entry.ttl is not None or broker._idle_ttl is not None):
+        if timed and not entry.leases:
             broker._note_idle(entry)
         return _DONE
 
@@ -1217,17 +1214,18 @@ class Lease(Generic[T_co]):
 # ---------------------------------------------------------------------- helpers
 
 
-class _Done:
-    """An awaitable that is already complete (what ``Lease.release`` returns)."""
+class _Done(tuple):  # type: ignore[type-arg]
+    """An awaitable that is already complete (what ``Lease.release`` returns).
+
+    Awaiting it iterates an empty tuple: the ``await`` finishes at once, and
+    the iterator comes from C, without a Python-level ``__await__`` call.
+    """
 
     __slots__ = ()
-
-    def __await__(self) -> Generator[Any, Any, None]:
-        # Any iterator will do for ``await``; an empty one is the cheapest.
-        return iter(())  # type: ignore[return-value]
+    __await__ = tuple.__iter__
 
 
-_DONE = _Done()
+_DONE = cast(Awaitable[None], _Done())
 
 
 def _non_negative_seconds(value: object, what: str, *, allow_inf: bool = False) -> float:

@@ -15,7 +15,9 @@ Invariants kept after every step:
   exceeds the budget except transiently after a load measured larger than it
   declared, which is corrected by evicting at once;
 * ``releasing`` is the part of ``used`` whose release is in flight;
-  ``idle_bytes`` the part held by entries the policy may pick as victims;
+  ``idle_bytes`` the part held by entries the policy may pick as victims
+  (an entry whose last lease just ended becomes one lazily, in lease-end
+  order, before anything reads these books: ``_settle``);
 * a leased entry is never handed to the policy, so it is never a victim;
 * an entry queued for space has at least one requester waiting on it;
 * waiters are granted in arrival order within each space: a request never
@@ -164,7 +166,8 @@ class Entry:
         self.weights: tuple[tuple[Space, int], ...] = ()
         self.state = State.WAITING
         self.leases = 0
-        self.holders: dict[object, int] = {}
+        #: The task of each lease (one item per lease; usually a single one).
+        self.holders: list[object] = []
         self.joiners: list[Ticket] = []
         self.value: Any = None
         self.error: BaseException | None = None
@@ -249,6 +252,10 @@ class Core:
         self.owners: dict[str, Owner] = {}
         self.queue: dict[Entry, None] = {}
         self.leased: dict[Entry, None] = {}
+        #: Entries whose last lease ended since the books were last settled, in
+        #: that order: they become idle (policy, idle bytes, expiry) in ``_settle``,
+        #: so a hit and its release that follow each other cost two dict steps.
+        self._settling: dict[Entry, None] = {}
         self.quarantined: dict[Entry, BaseException] = {}
         self.effects: list[tuple[Effect, Any]] = []
         self._overdrawn: set[str] = set()
@@ -260,13 +267,17 @@ class Core:
         self._seq = itertools.count(1)
         self.closed = False
         # Counters for stats().
-        self.hits = 0
         self.misses = 0
         self.loads = 0
         self.load_failures = 0
         self.load_seconds = 0.0
         self.evictions: dict[Reason, int] = dict.fromkeys(Reason, 0)
         self.releases_failed = 0
+
+    @property
+    def hits(self) -> int:
+        """Requests served without a load of their own: hits, and joins of a load in flight."""
+        return self.tick - self.misses
 
     # ------------------------------------------------------------------ owners
 
@@ -330,11 +341,11 @@ class Core:
         if entry.leases == 0:
             if entry.idle_seq:  # (a pinned entry never was a candidate)
                 self._unidle(entry)
+            elif self._settling:
+                self._settling.pop(entry, None)
             self.leased[entry] = None
         entry.leases += 1
-        holders = entry.holders
-        holders[task] = holders.get(task, 0) + 1
-        self.hits += 1
+        entry.holders.append(task)
         # _count_request, inlined: this is the hit path.
         tick = self.tick = self.tick + 1
         entry.requests += 1
@@ -390,7 +401,6 @@ class Core:
         else:
             if entry.state is State.WAITING:
                 self._check_deadlock(owner, key, entry.need, task)
-            self.hits += 1  # Joining a load in flight costs no load of its own.
             self._count_request(entry)
         ticket = Ticket(entry, task)
         entry.joiners.append(ticket)
@@ -508,7 +518,7 @@ class Core:
             self._fail_joiners(entry, rejected)
         for ticket in entry.joiners:
             ticket.outcome = True
-            entry.holders[ticket.task] = entry.holders.get(ticket.task, 0) + 1
+            entry.holders.append(ticket.task)
         entry.leases = len(entry.joiners)
         entry.joiners = []
         self.effects.append((Effect.SETTLED, entry))
@@ -581,22 +591,33 @@ class Core:
         """End one lease of ``task`` on ``entry``."""
         entry.leases -= 1
         holders = entry.holders
-        count = holders.get(task, 0)
-        if count > 1:
-            holders[task] = count - 1
-        elif count:
-            del holders[task]
-        else:  # The lease was handed to another task: forget one of the holders.
-            other = next(iter(holders))
-            if holders[other] > 1:
-                holders[other] -= 1
-            else:
-                del holders[other]
+        try:
+            holders.remove(task)
+        except ValueError:  # The lease was handed to another task: forget one of the holders.
+            holders.pop()
         if entry.leases == 0:
             del self.leased[entry]
-            self._rest(entry, now)
-            if self.queue or self._overdrawn:
+            if (
+                self.queue
+                or self._overdrawn
+                or entry.doomed
+                or entry.pinned
+                or entry.ttl == 0
+                or not self.retain
+            ):
+                self._rest(entry, now)
                 self._schedule()
+            else:  # Nobody waits: let it become idle when the books are next read.
+                entry.idle_since = now
+                self._settling[entry] = None
+
+    def _settle(self) -> None:
+        """Make the entries whose last lease ended idle, in the order their leases ended."""
+        settling = self._settling
+        if settling:
+            self._settling = {}
+            for entry in settling:
+                self._rest(entry, entry.idle_since)
 
     def _rest(self, entry: Entry, now: float) -> None:
         """An entry with no lease: keep it as an eviction candidate, or release it."""
@@ -650,6 +671,8 @@ class Core:
     def _start_release(self, entry: Entry, reason: Reason) -> None:
         if entry.idle_seq:
             self._unidle(entry)
+        elif self._settling:
+            self._settling.pop(entry, None)
         entry.state = State.RELEASING
         for name, amount in entry.charge.items():
             self.spaces[name].releasing += amount
@@ -663,6 +686,7 @@ class Core:
         that, in any other space; failing that, the oldest idle entry of
         unknown size. Returns ``[]`` when nothing is left to free.
         """
+        self._settle()
         own = list(entry.charge)
         others = [name for name in self.canon_names if name not in own]
         victims: list[Entry] = []
@@ -709,6 +733,7 @@ class Core:
         admitted again (in the order they were last requested). If the merged
         books exceed the capacity, idle entries are evicted at once.
         """
+        self._settle()
         keep, other = self.canon.get(keep, keep), self.canon.get(other, other)
         if keep == other:
             return
@@ -841,6 +866,7 @@ class Core:
 
     def sweep(self, now: float) -> list[Entry]:
         """Release every entry idle for at least the idle TTL; return them."""
+        self._settle()
         expired: list[Entry] = []
         heap = self._expiry
         while heap and heap[0][0] <= now:
@@ -854,6 +880,7 @@ class Core:
 
     def next_expiry(self) -> float | None:
         """When the next idle entry expires, or ``None`` when none can."""
+        self._settle()
         heap = self._expiry
         while heap and (heap[0][2].idle_seq != heap[0][1] or heap[0][2].state is not State.READY):
             heapq.heappop(heap)
@@ -897,6 +924,7 @@ class Core:
         shortfall: releasing values that would not let anyone in is waste.
         A waiter that cannot be covered blocks its spaces for those behind it.
         """
+        self._settle()
         if self._overdrawn:
             self._repay()
         if not self.queue:
@@ -1081,10 +1109,14 @@ class Core:
                 assert not entry.charge, entry
                 assert entry.joiners, f"{entry!r} waits for space on behalf of nobody"
             if entry.state is State.READY and not entry.leases and entry.doomed is None:
-                assert bool(entry.idle_seq) != entry.pinned, entry
+                # Exactly one of: a candidate, pinned, or idle once the books settle.
+                states = (bool(entry.idle_seq), entry.pinned, entry in self._settling)
+                assert sum(states) == 1, (entry, states)
+            elif entry in self._settling:
+                raise AssertionError(f"{entry!r} is settling but not an idle-to-be entry")
             if entry.leases:
                 assert entry.state is State.READY and not entry.idle_seq, entry
-                assert sum(entry.holders.values()) == entry.leases, entry
+                assert len(entry.holders) == entry.leases, entry
                 assert entry in self.leased, entry
         assert self.idle_count == sum(1 for e in self.entries() if e.idle_seq), self.idle_count
         for name in self.canon_names:
