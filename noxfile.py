@@ -49,6 +49,6 @@ def docs(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Run the benchmarks against the peers, in one process each."""
-    session.install("-e", ".[bench]")
-    for script in ("hit_path", "scaling", "contention", "policies", "soak"):
+    session.install("-e", ".[bench,sim]")
+    for script in ("hit_path", "scaling", "contention", "policies", "replay", "soak"):
         session.run("python", f"benchmarks/{script}.py", *session.posargs)

@@ -1,4 +1,4 @@
-"""Command line: ``python -m cachebroker demo`` (and ``cachebroker demo``)."""
+"""Command line: ``cachebroker simulate`` and ``cachebroker demo`` (also via ``python -m``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--backend", choices=["asyncio", "trio"], default="asyncio", help="event loop to run on"
     )
+    from ._simulate_cli import add_parser
+
+    add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "simulate":
+        from ._simulate_cli import run
+
+        return run(args, commands.choices["simulate"])
     if args.command != "demo":
         parser.print_help()
         return 0 if args.command is None else 2

@@ -503,8 +503,10 @@ class Core:
         self.load_seconds += seconds
         if self._admit is not None:
             self._admit(entry)
+        recharged = False
         if measured is not None and measured != entry.charge:
             self._recharge(entry, measured)
+            recharged = True
         rejected = error if error is not None else self._oversize(entry)
         owner = entry.owner
         if entry.doomed is None and owner.entries.get(entry.key) is not entry:
@@ -526,6 +528,8 @@ class Core:
             self._start_release(entry, Reason.REJECTED)
         elif entry.leases:
             self.leased[entry] = None
+            if not recharged:
+                return  # Nothing the queue waits on changed: scheduling would do nothing.
         else:
             self._rest(entry, now)
         self._schedule()
@@ -947,7 +951,8 @@ class Core:
                 space = spaces[name]
                 taken = promised.get(name, 0)
                 short = amount - (space.capacity - space.used + space.releasing - taken)
-                if short > 0 and not self._evict({name: short}):
+                # (_evict's own coverage test, first: the usual answer under contention.)
+                if short > 0 and (space.idle_bytes < short or not self._evict({name: short})):
                     blocked.add(name)
                     continue
                 promised[name] = taken + amount

@@ -19,10 +19,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import closing
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ._core import Entry
@@ -343,8 +344,13 @@ class CostAware(_Ranked):
         self._rates = {k: v for k, v in self._rates.items() if v[1] >= horizon}
 
     def victims(self, shortfall: Mapping[str, int]) -> list[Entry]:
-        with closing(self._lowest(shortfall)) as lowest:
-            pool = [entry for _, entry in _take_covering(lowest, shortfall, self.candidates)]
+        if len(self._version) <= self.candidates:
+            # Every resident entry fits in the pool: skip the walk of the heaps.
+            pool = [entry for entry in self._version if entry.idle]
+        else:
+            with closing(self._lowest(shortfall)) as lowest:
+                taken = _take_covering(lowest, shortfall, self.candidates)
+            pool = [entry for _, entry in taken]
         return _cheapest_cover(pool, shortfall, self._value)
 
 
@@ -376,36 +382,60 @@ def _cheapest_cover(
     if not pool or not need:
         return []
     values = {entry: value(entry) for entry in pool}
+    # The fraction of the shortfall each entry covers.
+    weights = {e: sum(min(e.charge.get(s, 0), n) / n for s, n in need.items()) for e in pool}
+    by_density = sorted((e for e in pool if weights[e] > 0), key=lambda e: values[e] / weights[e])
 
-    def weight(entry: Entry) -> float:  # fraction of the shortfall it covers
-        return sum(min(entry.charge.get(s, 0), n) / n for s, n in need.items())
+    # What is still missing of the shortfall, and each entry's bytes, in a form
+    # whose arithmetic runs in C: plain ints for one short space (the usual
+    # case), tuples per space otherwise. This is the policy's hot spot.
+    amounts: dict[Entry, Any]
+    if len(need) == 1:
+        ((space, total),) = need.items()
+        amounts = {e: e.charge.get(space, 0) for e in pool}
+        needed: Any = total
+        minus: Callable[[Any, Any], Any] = operator.sub
+        plus: Callable[[Any, Any], Any] = operator.add
+        short: Callable[[Any], bool] = (0).__lt__
+    else:
+        amounts = {e: tuple(e.charge.get(space, 0) for space in need) for e in pool}
+        needed = tuple(need.values())
 
-    by_density = sorted((e for e in pool if weight(e) > 0), key=lambda e: values[e] / weight(e))
+        def minus(a: Any, b: Any) -> Any:
+            return tuple(map(operator.sub, a, b))
 
-    def covers(entries: list[Entry]) -> bool:
-        return all(sum(e.charge.get(s, 0) for e in entries) >= n for s, n in need.items())
+        def plus(a: Any, b: Any) -> Any:
+            return tuple(map(operator.add, a, b))
+
+        def short(missing: Any) -> bool:
+            return bool(max(missing) > 0)
 
     def greedy(start: list[Entry]) -> list[Entry] | None:
         chosen = list(start)
+        missing = needed  # bytes still missing (<= 0 once covered)
+        for entry in chosen:
+            missing = minus(missing, amounts[entry])
         for entry in by_density:
-            if covers(chosen):
+            if not short(missing):
                 break
             if entry not in chosen:
                 chosen.append(entry)
-        if not covers(chosen):
+                missing = minus(missing, amounts[entry])
+        if short(missing):
             return None
         # Prune: drop the most valuable members the cover does not need.
         for entry in sorted(chosen, key=lambda e: -values[e]):
-            rest = [e for e in chosen if e is not entry]
-            if covers(rest):
-                chosen = rest
+            without = plus(missing, amounts[entry])
+            if not short(without):
+                chosen.remove(entry)
+                missing = without
         return chosen
 
     best = greedy([])
     if best is None:
         return []
     best_cost = sum(values[e] for e in best)
-    for anchor in sorted(pool, key=weight, reverse=True)[:8]:
+    for anchor in sorted(pool, key=weights.__getitem__, reverse=True)[:8]:
         option = greedy([anchor])
         if option is not None and (cost := sum(values[e] for e in option)) < best_cost:
             best, best_cost = option, cost

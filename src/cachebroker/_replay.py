@@ -1,21 +1,28 @@
 """Replay a request trace through the real core and policy on a virtual clock.
 
 No sleeping and no reimplemented eviction: each request is an acquire on the
-same ``Core`` the live broker uses. Loads take their ``load_seconds`` of
-virtual time, leases are held for ``hold_seconds`` (pinning their entries as
-in the live broker), and owners acknowledge releases at once.
+same ``Core`` the live broker uses, by its own task. Loads take their
+``load_seconds`` of virtual time with their space reserved, leases are held
+for ``hold_seconds`` (pinning their entries as in the live broker), and
+owners acknowledge releases at once.
+
+At one instant, completions come first: loads that finish and leases that
+end at time t are applied before the requests arriving at t. A request with
+``hold_seconds=0`` ends its lease right after it is granted.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from ._core import Core, Effect, Entry, Owner, Reason, Ticket
+from ._errors import InvalidArgument
 from ._policy import Policy, make_policy
 
 __all__ = ["ReplayResult", "Request", "replay"]
@@ -23,7 +30,17 @@ __all__ = ["ReplayResult", "Request", "replay"]
 
 @attrs.frozen(kw_only=True)
 class Request:
-    """One request of a trace."""
+    """One request of a trace.
+
+    Attributes:
+        time: When it arrives, in seconds (requests are replayed in this order).
+        key: What it asks for; keys are per ``cache``.
+        size: Bytes per space, e.g. ``{"default": 4 * 2**30}``.
+        load_seconds: What a miss costs: the time to load the value.
+        hold_seconds: How long the lease is held once granted.
+        cache: The owner (plugin) of the key.
+        line: Where the request came from (a trace's line number), for messages.
+    """
 
     time: float
     key: str
@@ -31,48 +48,105 @@ class Request:
     load_seconds: float
     hold_seconds: float = 0.0
     cache: str = "default"
+    line: int = 0
 
 
 @attrs.frozen(kw_only=True)
 class ReplayResult:
-    """What replaying a trace under one policy and budget cost."""
+    """What replaying a trace under one policy and budget cost.
+
+    Attributes:
+        policy: The policy's name.
+        budget: Bytes per space.
+        requests: Requests replayed.
+        hits: Requests served without a load of their own (hits, and joins of a
+            load already in flight).
+        misses: Requests that started a load.
+        reload_seconds: The load time of every miss, summed.
+        all_loads_seconds: What loading on every request would have cost.
+        bytes_loaded: Bytes of every load, summed over spaces.
+        evictions: Entries released to make room or because they idled too long.
+        wait_seconds: Per request, how long it waited for space before its load
+            could start (0 for hits and for joins of a load in flight), in
+            arrival order.
+    """
 
     policy: str
+    budget: Mapping[str, int]
     requests: int
     hits: int
     misses: int
     reload_seconds: float
+    all_loads_seconds: float
     bytes_loaded: int
     evictions: int
     wait_seconds: tuple[float, ...]
 
     @property
     def hit_ratio(self) -> float:
+        """``hits / requests`` (0 for an empty trace)."""
         return self.hits / self.requests if self.requests else 0.0
+
+    @property
+    def mean_wait(self) -> float:
+        """Mean time a request waited for space, in seconds."""
+        return math.fsum(self.wait_seconds) / len(self.wait_seconds) if self.wait_seconds else 0.0
+
+    @property
+    def p99_wait(self) -> float:
+        """The 99th percentile of the time a request waited for space (nearest rank)."""
+        if not self.wait_seconds:
+            return 0.0
+        ordered = sorted(self.wait_seconds)
+        return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def check_fits(requests: Iterable[Request], budget: Mapping[str, int]) -> None:
+    """Raise ``InvalidArgument`` for the first request no budget could ever hold."""
+    for request in requests:
+        for space, amount in request.size.items():
+            if space not in budget:
+                raise InvalidArgument(
+                    f"{_where(request)}requests space {space!r}, which the budget does not "
+                    f"have (it has {sorted(budget)})"
+                )
+            if amount > budget[space]:
+                raise InvalidArgument(
+                    f"{_where(request)}{request.cache}:{request.key} needs {amount} bytes of "
+                    f"{space!r}, more than its whole budget of {budget[space]} bytes"
+                )
 
 
 def replay(
-    requests: Iterable[Request],
+    requests: Sequence[Request],
     budget: Mapping[str, int],
     policy: str | Policy,
     *,
     idle_ttl: float | None = None,
 ) -> ReplayResult:
-    """Replay ``requests`` (in time order) and return the totals."""
+    """Replay ``requests`` (sorted by time) and return the totals.
+
+    Raises:
+        InvalidArgument: a request is larger than its space's whole budget, or
+            names a space the budget does not have.
+    """
+    check_fits(requests, budget)
     name = policy if isinstance(policy, str) else type(policy).__name__
     core = Core(budget, make_policy(policy), idle_ttl=idle_ttl)
     owners: dict[str, Owner] = {}
-    events: list[tuple[float, int, str, Any]] = []
+    # Completions: (time, order, ticket-or-entry); a Ticket is a lease to end,
+    # an Entry a load that finishes.
+    pending: list[tuple[float, int, Any]] = []
     order = itertools.count()
-    arrived: dict[Entry, float] = {}
+    push = heapq.heappush
+    pop = heapq.heappop
     holds: dict[Ticket, float] = {}
-    waits: list[float] = []
+    waits = [0.0] * len(requests)
+    arrival: dict[Ticket, tuple[int, float]] = {}
     loaded = 0
-    misses = 0
+    all_loads = 0.0
     now = 0.0
-
-    def schedule(when: float, kind: str, subject: Any) -> None:
-        heapq.heappush(events, (when, next(order), kind, subject))
+    sweeping = idle_ttl is not None
 
     def perform() -> None:
         nonlocal loaded
@@ -80,64 +154,99 @@ def replay(
             effects, core.effects = core.effects, []
             for kind, subject in effects:
                 if kind is Effect.START_LOAD:
-                    waits.append(now - arrived.pop(subject, now))
+                    shell = subject.shell
+                    for ticket in shell.tickets:
+                        number, since = arrival.pop(ticket)
+                        waits[number] = now - since
+                    shell.started = True
                     loaded += sum(subject.charge.values())
-                    schedule(now + subject.shell.load_seconds, "loaded", subject)
+                    push(pending, (now + shell.load_seconds, next(order), subject))
                 elif kind is Effect.START_RELEASE:
                     core.release_done(subject[0])
                 elif kind is Effect.SETTLED:
                     for ticket in subject.shell.tickets:
+                        arrival.pop(ticket, None)
                         if ticket.outcome is True:
-                            schedule(now + holds[ticket], "end", ticket)
+                            end(ticket)
                     subject.shell.tickets = []
 
-    for number, request in enumerate(requests):
-        schedule(request.time, "arrive", (number, request))
-    while events:
-        now, _, kind, subject = heapq.heappop(events)
-        if idle_ttl is not None:
-            core.sweep(now)
-        if kind == "arrive":
-            number, request = subject
-            owner = owners.get(request.cache) or owners.setdefault(
-                request.cache, core.open_owner(request.cache)
-            )
-            ticket = core.request(
-                owner, request.key, dict(request.size), number, cost=request.load_seconds
-            )
-            holds[ticket] = request.hold_seconds
-            entry = ticket.entry
-            if ticket.outcome is True:
-                schedule(now + request.hold_seconds, "end", ticket)
-            else:
-                if entry.shell is None:
-                    entry.shell = _Pending(request.load_seconds)
-                    arrived[entry] = now
-                    misses += 1
-                entry.shell.tickets.append(ticket)
-        elif kind == "loaded":
-            core.load_done(subject, None, None, subject.shell.load_seconds, now)
+    def end(ticket: Ticket) -> None:
+        hold = holds.pop(ticket)
+        if hold:
+            push(pending, (now + hold, next(order), ticket))
         else:
-            del holds[subject]
-            core.lease_end(subject.entry, subject.task, now)
-        perform()
+            core.lease_end(ticket.entry, ticket.task, now)
+
+    def complete_until(limit: float) -> None:
+        nonlocal now
+        while pending and pending[0][0] <= limit:
+            now, _, subject = pop(pending)
+            if sweeping:
+                core.sweep(now)
+            if isinstance(subject, Entry):
+                core.load_done(subject, None, None, subject.shell.load_seconds, now)
+            else:
+                core.lease_end(subject.entry, subject.task, now)
+            if core.effects:
+                perform()
+
+    for number, request in enumerate(requests):
+        if request.time < now:
+            raise InvalidArgument(
+                f"{_where(request)}requests must be in time order, but {request.time:g} "
+                f"comes after {now:g}"
+            )
+        complete_until(request.time)
+        now = request.time
+        if sweeping:
+            core.sweep(now)
+            if core.effects:
+                perform()
+        owner = owners.get(request.cache)
+        if owner is None:
+            owner = owners[request.cache] = core.open_owner(request.cache)
+        all_loads += request.load_seconds
+        ticket = core.request(
+            owner, request.key, dict(request.size), number, cost=request.load_seconds
+        )
+        holds[ticket] = request.hold_seconds
+        if ticket.outcome is True:
+            end(ticket)
+        else:
+            entry = ticket.entry
+            shell = entry.shell
+            if shell is None:
+                shell = entry.shell = _Pending(request.load_seconds)
+            shell.tickets.append(ticket)
+            if not shell.started:
+                arrival[ticket] = (number, now)
+        if core.effects:
+            perform()
+    complete_until(math.inf)
     return ReplayResult(
         policy=name,
-        requests=core.hits + core.misses,
+        budget=dict(budget),
+        requests=len(requests),
         hits=core.hits,
-        misses=misses,
+        misses=core.misses,
         reload_seconds=core.load_seconds,
+        all_loads_seconds=all_loads,
         bytes_loaded=loaded,
         evictions=core.evictions[Reason.CAPACITY] + core.evictions[Reason.IDLE],
         wait_seconds=tuple(waits),
     )
 
 
+def _where(request: Request) -> str:
+    return f"line {request.line}: " if request.line else ""
+
+
 class _Pending:
     """The replay's slot on an entry: its load time and the tickets waiting on it."""
 
-    __slots__ = ("load_seconds", "tickets")
+    __slots__ = ("load_seconds", "started", "tickets")
 
     def __init__(self, load_seconds: float) -> None:
         self.load_seconds = load_seconds
+        self.started = False
         self.tickets: list[Ticket] = []

@@ -1,0 +1,214 @@
+"""The offline optimum of a trace: the least total reload time any policy could pay.
+
+The interval formulation. Between two consecutive requests of a key lies a
+*gap*; a 0/1 variable says whether the key stays resident through it. Not
+keeping it costs a reload at the gap's end (that request's
+``load_seconds``); the first request of each key always loads. At each
+request, in each space it uses, the requested value plus the values kept
+through gaps spanning that request must fit the budget. (Rows at the
+requests of other spaces are implied by these, and repeated identical rows
+are dropped.)
+
+This is the classic offline caching problem with sizes and costs: loads take
+no time, leases end at once and requests are served in arrival order. It
+ignores ``hold_seconds`` and idle TTLs, which only constrain a policy
+further. In the timed replay a policy can still come in under it when
+requests wait for space: a waiting request lets later hits go first, which
+the model has no room for. When no request waits, it is a true lower bound,
+and the optimum itself when solved as a MILP.
+
+Traces up to ``exact_limit`` requests are solved as a MILP (HiGHS, through
+scipy); if the solver stops at its time limit, its best proven bound is
+reported. Longer traces get the LP relaxation: a valid lower bound, looser.
+``Bound.method`` says which one was computed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+
+from ._replay import Request, check_fits
+
+__all__ = ["Bound", "offline_bound"]
+
+Method = Literal["exact", "milp-bound", "lp"]
+
+
+@attrs.frozen(kw_only=True)
+class Bound:
+    """The least total reload time of a trace at one budget.
+
+    Attributes:
+        reload_seconds: The optimum (``method == "exact"``) or a lower bound on it.
+        method: ``"exact"`` (the MILP solved to optimality), ``"milp-bound"``
+            (the MILP stopped at its time limit: its proven bound) or ``"lp"``
+            (the LP relaxation).
+        solve_seconds: Wall-clock time spent building and solving.
+        variables: Gaps between consecutive requests of a key (one variable each).
+        rows: Capacity rows after dropping repeats.
+    """
+
+    reload_seconds: float
+    method: Method
+    solve_seconds: float
+    variables: int
+    rows: int
+
+
+@attrs.define
+class _Model:
+    """The MILP in sparse row form: maximise ``sum(gain * x)`` s.t. ``A x <= limit``."""
+
+    base: float = 0.0  # loads no policy avoids: each key's first request
+    gain: list[float] = attrs.Factory(list)  # per gap: the reload avoided by keeping it
+    starts: list[int] = attrs.Factory(lambda: [0])
+    columns: list[int] = attrs.Factory(list)
+    values: list[float] = attrs.Factory(list)
+    limits: list[float] = attrs.Factory(list)
+
+
+def build_model(requests: Sequence[Request], budget: Mapping[str, int]) -> _Model:
+    """The interval formulation of ``requests`` (see the module docstring)."""
+    model = _Model()
+    keys = [(request.cache, request.key) for request in requests]
+    following: list[int | None] = [None] * len(requests)
+    last: dict[tuple[str, str], int] = {}
+    for index in range(len(requests) - 1, -1, -1):
+        following[index] = last.get(keys[index])
+        last[keys[index]] = index
+    sizes: dict[tuple[str, str], Mapping[str, int]] = {}
+    open_gaps: dict[tuple[str, str], tuple[int, Mapping[str, int]]] = {}
+    previous_row: dict[str, tuple[Any, ...]] = {}
+    for index, request in enumerate(requests):
+        key = keys[index]
+        size = sizes.setdefault(key, request.size)
+        closing = open_gaps.pop(key, None)
+        if closing is None:
+            model.base += request.load_seconds
+        for space, amount in size.items():
+            if amount <= 0:
+                continue
+            span = [(gap, held[space]) for gap, held in open_gaps.values() if held.get(space)]
+            signature = (amount, *span)
+            if not span or previous_row.get(space) == signature:
+                continue
+            previous_row[space] = signature
+            for gap, held_bytes in span:
+                model.columns.append(gap)
+                model.values.append(float(held_bytes))
+            model.starts.append(len(model.columns))
+            model.limits.append(float(budget[space] - amount))
+        after = following[index]
+        if after is not None:  # the gap to this key's next request
+            open_gaps[key] = (len(model.gain), size)
+            model.gain.append(requests[after].load_seconds)
+    return model
+
+
+def offline_bound(
+    requests: Sequence[Request],
+    budget: Mapping[str, int],
+    *,
+    exact_limit: int = 5000,
+    time_limit: float = 30.0,
+) -> Bound:
+    """Compute the offline optimum of ``requests`` at ``budget``, or a lower bound.
+
+    Args:
+        requests: The trace, in time order.
+        budget: Bytes per space.
+        exact_limit: Solve traces up to this many requests as a MILP; longer
+            ones as the LP relaxation.
+        time_limit: Seconds the MILP may take before its best proven bound is
+            reported instead.
+
+    Raises:
+        ImportError: scipy is not installed (``pip install 'cachebroker[sim]'``).
+        InvalidArgument: a request does not fit its space's whole budget.
+    """
+    try:
+        import numpy as np
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import csr_array
+    except ImportError as exc:  # pragma: no cover - exercised without the extra
+        raise ImportError(
+            "the offline optimum needs scipy: pip install 'cachebroker[sim]'"
+        ) from exc
+    check_fits(requests, budget)
+    started = time.perf_counter()
+    model = build_model(requests, budget)
+    total_gain = math.fsum(model.gain)
+    n = len(model.gain)
+    rows = len(model.limits)
+
+    def bound(kept: float, method: Method) -> Bound:
+        return Bound(
+            reload_seconds=max(0.0, model.base + total_gain - kept),
+            method=method,
+            solve_seconds=time.perf_counter() - started,
+            variables=n,
+            rows=rows,
+        )
+
+    if n == 0:
+        return bound(0.0, "exact")
+    constraints = []
+    if rows:
+        matrix = csr_array(
+            (np.asarray(model.values), np.asarray(model.columns), np.asarray(model.starts)),
+            shape=(rows, n),
+        )
+        constraints.append(LinearConstraint(matrix, -np.inf, np.asarray(model.limits)))
+    integral = len(requests) <= exact_limit
+    with _quiet_stdout():
+        result = milp(
+            -np.asarray(model.gain),
+            integrality=np.ones(n) if integral else np.zeros(n),
+            bounds=Bounds(0, 1),
+            constraints=constraints,
+            options={"time_limit": time_limit},
+        )
+    if result.status == 0:
+        return bound(-result.fun, "exact" if integral else "lp")
+    dual = getattr(result, "mip_dual_bound", None)
+    if integral and dual is not None and math.isfinite(dual):
+        return bound(-dual, "milp-bound")
+    # The MILP gave no proven bound in time: fall back to the LP relaxation.
+    with _quiet_stdout():
+        relaxed = milp(-np.asarray(model.gain), bounds=Bounds(0, 1), constraints=constraints)
+    if relaxed.status != 0:  # pragma: no cover - an LP with x = 0 feasible always solves
+        raise RuntimeError(f"the LP relaxation failed: {relaxed.message}")
+    return bound(-relaxed.fun, "lp")
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Silence what the solver's C++ code prints to file descriptor 1 (not ``sys.stdout``).
+
+    HiGHS writes some diagnostics straight to the process's standard output,
+    which would corrupt ``--json`` output. Not thread-safe: the descriptor is
+    the process's.
+    """
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # pragma: no cover - no descriptor 1 to protect
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 1)
+    finally:
+        os.close(saved)

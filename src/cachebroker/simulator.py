@@ -1,0 +1,223 @@
+"""Trace-driven capacity planning: replay a workload under each policy and budget.
+
+``simulate`` replays a trace through the broker's own core and policies on a
+virtual clock (no sleeping, no second implementation of eviction) and sets
+each budget's results beside the offline optimum. The command line
+``cachebroker simulate`` is built on it; see docs/simulator.md.
+
+    from cachebroker.simulator import builtin_workload, simulate
+
+    for comparison in simulate(builtin_workload(), budgets=["48GiB", "64GiB"]):
+        for result in comparison.results:
+            print(comparison.label, result.policy, result.reload_seconds)
+
+The optimum and ``plot`` need the ``sim`` extra (scipy, matplotlib):
+``pip install 'cachebroker[sim]'``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import attrs
+
+from ._bound import Bound, offline_bound
+from ._errors import InvalidArgument
+from ._policy import make_policy
+from ._replay import ReplayResult, Request, replay
+from ._sizes import DEFAULT_SPACE, format_bytes, parse_budget
+from ._trace import COLUMNS, TraceError, parse_trace, read_trace
+from ._workload import BUDGETS, CATALOGUE, builtin_workload
+
+__all__ = (
+    "BUDGETS",
+    "CATALOGUE",
+    "COLUMNS",
+    "POLICIES",
+    "Bound",
+    "Comparison",
+    "ReplayResult",
+    "Request",
+    "TraceError",
+    "builtin_workload",
+    "offline_bound",
+    "parse_trace",
+    "plot",
+    "read_trace",
+    "replay",
+    "resolve_budgets",
+    "simulate",
+)
+
+#: The policies compared when none are named.
+POLICIES: tuple[str, ...] = ("lru", "fifo", "gdsf", "cost")
+
+
+@attrs.frozen(kw_only=True)
+class Comparison:
+    """Every policy's result at one budget, and the offline optimum there.
+
+    Attributes:
+        budget: Bytes per space.
+        results: One ``ReplayResult`` per policy, in the order asked for.
+        bound: The offline optimum or a lower bound on it (``None`` if not computed).
+    """
+
+    budget: Mapping[str, int]
+    results: tuple[ReplayResult, ...]
+    bound: Bound | None = None
+
+    @property
+    def label(self) -> str:
+        """The budget for people: ``"48GiB"``, or ``"ram=16GiB,cuda:0=24GiB"``."""
+        return budget_label(self.budget)
+
+
+def budget_label(budget: Mapping[str, int]) -> str:
+    """``"48GiB"`` for a budget of one space, ``"ram=16GiB,cuda:0=24GiB"`` for several."""
+    if len(budget) == 1:
+        return format_bytes(next(iter(budget.values())))
+    return ",".join(f"{space}={format_bytes(amount)}" for space, amount in budget.items())
+
+
+def resolve_budgets(
+    budgets: Iterable[int | str | Mapping[str, int | str]], requests: Sequence[Request]
+) -> list[dict[str, int]]:
+    """Turn each budget into bytes per space of the trace.
+
+    A single quantity (``"48GiB"``, ``51539607552``) is the budget of the one
+    space the trace uses; a trace using several spaces needs a mapping.
+
+    Raises:
+        InvalidArgument: a budget is malformed, or does not name every space the trace uses.
+    """
+    spaces = sorted({space for request in requests for space in request.size}) or [DEFAULT_SPACE]
+    resolved: list[dict[str, int]] = []
+    for budget in budgets:
+        if isinstance(budget, Mapping):
+            parsed = parse_budget(budget)
+        else:
+            if len(spaces) > 1:
+                raise InvalidArgument(
+                    f"the trace uses the spaces {', '.join(spaces)}: give each a budget, "
+                    f"e.g. {','.join(f'{space}=24GiB' for space in spaces)}"
+                )
+            parsed = {spaces[0]: parse_budget(budget)[DEFAULT_SPACE]}
+        missing = [space for space in spaces if space not in parsed]
+        if missing:
+            raise InvalidArgument(
+                f"budget {budget_label(parsed)} has no amount for the space(s) "
+                f"{', '.join(missing)} that the trace uses"
+            )
+        resolved.append(parsed)
+    if not resolved:
+        raise InvalidArgument("give at least one budget")
+    return resolved
+
+
+def simulate(
+    requests: Sequence[Request],
+    budgets: Iterable[int | str | Mapping[str, int | str]],
+    policies: Sequence[str] = POLICIES,
+    *,
+    idle_ttl: float | None = None,
+    bound: bool = True,
+    bound_time_limit: float = 30.0,
+    progress: Callable[[str], None] | None = None,
+) -> list[Comparison]:
+    """Replay ``requests`` under every policy at every budget.
+
+    Args:
+        requests: The trace, in time order (``read_trace``, ``builtin_workload``).
+        budgets: Bytes or ``"48GiB"`` for a trace of one space; mappings of
+            space to either for several.
+        policies: Names of built-in policies.
+        idle_ttl: Release entries idle this many seconds (virtual time).
+        bound: Compute the offline optimum at each budget (needs scipy).
+        bound_time_limit: Seconds the MILP may take per budget before its best
+            proven bound is reported instead.
+        progress: Called with a short description as each step starts.
+
+    Raises:
+        InvalidArgument: a budget, policy or request is unusable (a request
+            larger than its space's budget, for one).
+        ImportError: ``bound`` is true and scipy is not installed.
+    """
+    resolved = resolve_budgets(budgets, requests)
+    names = [_policy_name(policy) for policy in policies]
+    if not names:
+        raise InvalidArgument("give at least one policy")
+    if idle_ttl is not None and not idle_ttl > 0:
+        raise InvalidArgument(f"idle_ttl must be a positive number of seconds, got {idle_ttl!r}")
+    comparisons = []
+    for budget in resolved:
+        results = []
+        for name in names:
+            if progress is not None:
+                progress(f"{name} at {budget_label(budget)}")
+            results.append(replay(requests, budget, name, idle_ttl=idle_ttl))
+        optimum = None
+        if bound:
+            if progress is not None:
+                progress(f"optimum at {budget_label(budget)}")
+            optimum = offline_bound(requests, budget, time_limit=bound_time_limit)
+        comparisons.append(Comparison(budget=budget, results=tuple(results), bound=optimum))
+    return comparisons
+
+
+def _policy_name(policy: str) -> str:
+    if not isinstance(policy, str):
+        raise TypeError(f"policies are named by strings such as 'lru', got {policy!r}")
+    name = policy.strip().lower()
+    make_policy(name)  # raises for an unknown name, listing the built-in ones
+    return name
+
+
+def plot(comparisons: Sequence[Comparison], path: str | os.PathLike[str]) -> None:
+    """Draw reload seconds and hit ratio against budget, one line per policy, to ``path``.
+
+    The offline optimum (or bound) is drawn dashed beside the reload seconds.
+    Budgets must be of a single space (the x axis is bytes). Needs matplotlib.
+
+    Raises:
+        InvalidArgument: no comparison, or budgets of several spaces.
+        ImportError: matplotlib is not installed.
+    """
+    if not comparisons:
+        raise InvalidArgument("nothing to plot: no comparison")
+    if any(len(comparison.budget) != 1 for comparison in comparisons):
+        raise InvalidArgument("plots need budgets of a single space (the x axis is bytes)")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - exercised without the extra
+        raise ImportError("plots need matplotlib: pip install 'cachebroker[sim]'") from exc
+    ordered = sorted(comparisons, key=lambda c: next(iter(c.budget.values())))
+    gib = [next(iter(c.budget.values())) / 2**30 for c in ordered]
+    figure, (reloads, ratios) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    for index, result in enumerate(ordered[0].results):
+        name = result.policy
+        series = [c.results[index] for c in ordered]
+        reloads.plot(gib, [r.reload_seconds for r in series], marker="o", label=name)
+        ratios.plot(gib, [r.hit_ratio for r in series], marker="o", label=name)
+    bounds = [c.bound for c in ordered]
+    if all(b is not None for b in bounds):
+        exact = all(b is not None and b.method == "exact" for b in bounds)
+        reloads.plot(
+            gib,
+            [b.reload_seconds for b in bounds if b is not None],
+            linestyle="--",
+            color="black",
+            label="optimum" if exact else "optimum (lower bound)",
+        )
+    reloads.set(xlabel="budget (GiB)", ylabel="total reload seconds", title="Reload time")
+    ratios.set(xlabel="budget (GiB)", ylabel="hit ratio", title="Hit ratio")
+    reloads.set_ylim(bottom=0)
+    for axes in (reloads, ratios):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.savefig(os.fspath(path), dpi=110)
+    plt.close(figure)

@@ -1,0 +1,402 @@
+"""The simulator: traces, replay figures, the offline optimum and the command line."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachebroker.__main__ import main
+from cachebroker._simulate_cli import _print_table
+from cachebroker.simulator import (
+    BUDGETS,
+    POLICIES,
+    Request,
+    TraceError,
+    builtin_workload,
+    offline_bound,
+    parse_trace,
+    plot,
+    read_trace,
+    replay,
+    resolve_budgets,
+    simulate,
+)
+
+GiB = 2**30
+
+
+def req(time: float, key: str, size: int = 10, load: float = 1.0, hold: float = 0.0) -> Request:
+    return Request(time=time, key=key, size={"default": size}, load_seconds=load, hold_seconds=hold)
+
+
+def spaced(keys: str, *, size: int = 10, load: float = 1.0, gap: float = 10.0) -> list[Request]:
+    """One request per letter, ``gap`` seconds apart (every load ends before the next)."""
+    return [req(i * gap, key, size, load) for i, key in enumerate(keys)]
+
+
+# ------------------------------------------------------------------ traces
+
+
+def test_trace_with_every_column() -> None:
+    text = (
+        "time,key,size,load_seconds,hold_seconds,space,cache\n"
+        "0,llama,4GiB,8,1.5,cuda:0,chat\n"
+        "\n"
+        "2.5,whisper,1500000000,2,,,\n"
+    )
+    first, second = parse_trace(text)
+    assert first == Request(
+        time=0.0,
+        key="llama",
+        size={"cuda:0": 4 * GiB},
+        load_seconds=8.0,
+        hold_seconds=1.5,
+        cache="chat",
+        line=2,
+    )
+    assert second.size == {"default": 1_500_000_000}
+    assert (second.hold_seconds, second.cache, second.line) == (0.0, "default", 4)
+
+
+def test_columns_may_come_in_any_order() -> None:
+    (request,) = parse_trace("key,load_seconds,size,time\nm,3,10,1\n")
+    assert (request.key, request.load_seconds, request.size, request.time) == (
+        "m",
+        3.0,
+        {"default": 10},
+        1.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("row", "line", "column", "message"),
+    [
+        ("x,k,10,1", 3, "time", "expected a number of seconds, got 'x'"),
+        ("nan,k,10,1", 3, "time", "expected a number of seconds"),
+        ("0.5,k,10,1", 3, "time", "earlier than the previous row's 1"),
+        ("2,,10,1", 3, "key", "must not be empty"),
+        ("2,k,lots,1", 3, "size", "size 'lots' is not a byte quantity"),
+        ("2,k,,1", 3, "size", "must not be empty"),
+        ("2,k,-5,1", 3, "size", "is not a byte quantity"),
+        ("2,k,10,-1", 3, "load_seconds", "non-negative number of seconds, got '-1'"),
+        ("2,k,10,inf", 3, "load_seconds", "non-negative number of seconds"),
+        ("2,k,10", 3, None, "expected 4 fields (time, key, size, load_seconds), got 3"),
+        ("2,a,20,1", 3, "size", "default:a was {'default': 10} on line 2"),
+    ],
+)
+def test_bad_rows_name_their_line_and_column(
+    row: str, line: int, column: str | None, message: str
+) -> None:
+    text = f"time,key,size,load_seconds\n1,a,10,1\n{row}\n"
+    with pytest.raises(TraceError, match="trace, line") as info:
+        parse_trace(text)
+    assert info.value.line == line
+    assert info.value.column == column
+    assert message in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_a_key_may_not_change_space() -> None:
+    text = "time,key,size,load_seconds,space\n0,a,10,1,ram\n1,a,10,1,gpu\n"
+    with pytest.raises(TraceError, match="column 'space'"):
+        parse_trace(text)
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ("time,key,size", "lacks the column(s) load_seconds"),
+        ("time,key,size,load_seconds,model", "unknown column 'model'"),
+        ("time,key,key,size,load_seconds", "column 'key' appears twice"),
+    ],
+)
+def test_bad_headers_are_rejected(header: str, message: str) -> None:
+    with pytest.raises(TraceError, match="line 1") as info:
+        parse_trace(header + "\n")
+    assert message in str(info.value)
+
+
+def test_empty_trace_is_an_error() -> None:
+    with pytest.raises(TraceError, match="the trace is empty"):
+        parse_trace("")
+
+
+def test_read_trace_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("time,key,size,load_seconds\n0,a,big,1\n")
+    with pytest.raises(TraceError, match=r"t\.csv, line 2, column 'size'"):
+        read_trace(path)
+
+
+# ------------------------------------------------------------------ replay
+
+
+def test_replay_counts_hits_and_misses() -> None:
+    trace = spaced("ABAB")
+    fits_both = replay(trace, {"default": 20}, "lru")
+    assert (fits_both.hits, fits_both.misses, fits_both.reload_seconds) == (2, 2, 2.0)
+    assert fits_both.evictions == 0
+    fits_one = replay(trace, {"default": 10}, "lru")
+    assert (fits_one.hits, fits_one.misses, fits_one.evictions) == (0, 4, 3)
+    assert fits_one.bytes_loaded == 40
+    assert fits_one.all_loads_seconds == 4.0
+    assert fits_one.hit_ratio == 0.0
+
+
+def test_lru_and_fifo_differ_where_they_should() -> None:
+    # A is reused just before C needs room: LRU keeps it, FIFO evicts it.
+    trace = spaced("ABACA")
+    assert replay(trace, {"default": 20}, "lru").misses == 3
+    assert replay(trace, {"default": 20}, "fifo").misses == 4
+
+
+def test_requests_during_a_load_join_it() -> None:
+    trace = [req(0, "A", load=5), req(1, "A", load=5), req(2, "A", load=5)]
+    result = replay(trace, {"default": 10}, "lru")
+    assert (result.misses, result.hits, result.reload_seconds) == (1, 2, 5.0)
+    assert result.wait_seconds == (0.0, 0.0, 0.0)
+
+
+def test_held_leases_pin_entries_and_make_others_wait() -> None:
+    # A is held 10 s after its 1 s load; B needs A's room and waits until 11.
+    trace = [req(0, "A", load=1, hold=10), req(2, "B", load=1)]
+    result = replay(trace, {"default": 10}, "lru")
+    assert result.wait_seconds == (0.0, 9.0)
+    assert result.mean_wait == 4.5
+    assert result.p99_wait == 9.0
+    assert result.evictions == 1
+
+
+def test_idle_ttl_releases_idle_entries() -> None:
+    trace = spaced("AA", gap=100)
+    assert replay(trace, {"default": 10}, "lru").misses == 1
+    assert replay(trace, {"default": 10}, "lru", idle_ttl=50).misses == 2
+
+
+def test_replay_rejects_what_cannot_fit() -> None:
+    with pytest.raises(ValueError, match="needs 50 bytes of 'default', more than its whole budget"):
+        replay([req(0, "A", size=50)], {"default": 10}, "lru")
+    with pytest.raises(ValueError, match="requests must be in time order"):
+        replay([req(5, "A"), req(1, "B")], {"default": 10}, "lru")
+
+
+# ------------------------------------------------------------------ optimum
+
+
+def test_optimum_of_a_cycle_is_beladys() -> None:
+    # A B C repeated 10 times with room for two: the optimum misses 16 times
+    # (3 cold misses, then one in every two requests); LRU misses every time.
+    trace = spaced("ABC" * 10)
+    bound = offline_bound(trace, {"default": 20})
+    assert bound.method == "exact"
+    assert bound.reload_seconds == pytest.approx(16.0)
+    assert replay(trace, {"default": 20}, "lru").reload_seconds == 30.0
+
+
+def test_optimum_weighs_cost_and_size() -> None:
+    # Room for 30 bytes: "big" (20 bytes, 100 s to load) alternates with two
+    # small ones (10 bytes, 1 s). Keeping big resident leaves room for one
+    # small one at a time, so each small one's second request reloads it:
+    # 102 s of cold loads + 2 x 1 s. Evicting big instead would cost 100 s.
+    keys = ["big", "s1", "s2", "big", "s1", "s2", "big"]
+    trace = [
+        req(i * 10.0, key, size=20 if key == "big" else 10, load=100 if key == "big" else 1)
+        for i, key in enumerate(keys)
+    ]
+    bound = offline_bound(trace, {"default": 30})
+    assert bound.method == "exact"
+    assert bound.reload_seconds == pytest.approx(104.0)
+    assert replay(trace, {"default": 30}, "lru").reload_seconds >= bound.reload_seconds
+
+
+def test_lp_relaxation_is_a_lower_bound_of_the_optimum() -> None:
+    trace = spaced("ABCDABCEABCDE" * 3)
+    exact = offline_bound(trace, {"default": 30})
+    relaxed = offline_bound(trace, {"default": 30}, exact_limit=0)
+    assert relaxed.method == "lp"
+    assert relaxed.reload_seconds <= exact.reload_seconds + 1e-6
+    assert exact.variables == len(trace) - 5
+
+
+@settings(deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 7), min_size=1, max_size=60),
+    sizes=st.lists(st.integers(1, 40), min_size=8, max_size=8),
+    loads=st.lists(st.floats(0.1, 20), min_size=8, max_size=8),
+    budget=st.integers(40, 120),
+)
+def test_optimum_is_never_above_any_policy(
+    keys: list[int], sizes: list[int], loads: list[float], budget: int
+) -> None:
+    # Requests spaced wider than any load, so none waits for space: the
+    # optimum is then a true lower bound of every schedule.
+    trace = [
+        req(i * 30.0, f"k{key}", size=sizes[key], load=loads[key]) for i, key in enumerate(keys)
+    ]
+    bound = offline_bound(trace, {"default": budget})
+    assert bound.method == "exact"
+    for policy in POLICIES:
+        assert (
+            bound.reload_seconds <= replay(trace, {"default": budget}, policy).reload_seconds + 1e-6
+        )
+
+
+def test_optimum_with_several_spaces() -> None:
+    trace = [
+        Request(time=0, key="a", size={"ram": 10}, load_seconds=1),
+        Request(time=10, key="b", size={"gpu": 10}, load_seconds=1),
+        Request(time=20, key="a", size={"ram": 10}, load_seconds=1),
+        Request(time=30, key="b", size={"gpu": 10}, load_seconds=1),
+    ]
+    # Each space holds its one key: only the cold loads.
+    assert offline_bound(trace, {"ram": 10, "gpu": 10}).reload_seconds == 2.0
+
+
+# ------------------------------------------------------------------ simulate
+
+
+def test_budgets_are_resolved_to_the_trace_space() -> None:
+    trace = [Request(time=0, key="a", size={"cuda:0": 10}, load_seconds=1)]
+    assert resolve_budgets(["1KiB", 64], trace) == [{"cuda:0": 1024}, {"cuda:0": 64}]
+    two = [*trace, Request(time=1, key="b", size={"ram": 10}, load_seconds=1)]
+    with pytest.raises(ValueError, match="give each a budget"):
+        resolve_budgets(["1KiB"], two)
+    with pytest.raises(ValueError, match="no amount for the space"):
+        resolve_budgets([{"ram": 100}], two)
+    assert resolve_budgets([{"ram": "1KiB", "cuda:0": 5}], two) == [{"ram": 1024, "cuda:0": 5}]
+
+
+def test_simulate_compares_every_policy_at_every_budget() -> None:
+    steps: list[str] = []
+    comparisons = simulate(spaced("ABCABD"), [20, 30], ["lru", "cost"], progress=steps.append)
+    assert [c.label for c in comparisons] == ["20 B", "30 B"]
+    assert [[r.policy for r in c.results] for c in comparisons] == [["lru", "cost"]] * 2
+    assert all(c.bound is not None for c in comparisons)
+    assert steps[:3] == ["lru at 20 B", "cost at 20 B", "optimum at 20 B"]
+    with pytest.raises(ValueError, match="unknown policy 'mru'"):
+        simulate(spaced("A"), [10], ["mru"])
+
+
+def test_builtin_workload_is_the_documented_one() -> None:
+    requests = builtin_workload()
+    assert len(requests) == 2000
+    assert len({r.key for r in requests}) == 12
+    assert all(a.time <= b.time for a, b in itertools.pairwise(requests))
+    assert max(r.size["default"] for r in requests) <= min(BUDGETS)
+    assert builtin_workload(seed=2) != requests
+    assert builtin_workload(requests=10)[-1] == requests[9]
+    with pytest.raises(ValueError, match="requests must be between 1 and 8818"):
+        builtin_workload(requests=9000)
+
+
+def test_plot_is_written(tmp_path: Path) -> None:
+    comparisons = simulate(spaced("ABCABD"), [20, 30, 40])
+    path = tmp_path / "plot.png"
+    plot(comparisons, path)
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+# ------------------------------------------------------------------ command line
+
+
+@pytest.fixture
+def trace_file(tmp_path: Path) -> Path:
+    path = tmp_path / "trace.csv"
+    rows = [f"{i * 10},{key},10,2" for i, key in enumerate("ABCABDABCE")]
+    path.write_text("time,key,size,load_seconds\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def test_cli_json_output(trace_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--trace", str(trace_file), "--budget", "20,30", "--json"]
+    assert main(args) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert len(results) == 2 * len(POLICIES)
+    first = results[0]
+    for key in ("policy", "budget", "requests", "hits", "reload_seconds", "bound_reload_seconds"):
+        assert key in first
+    assert (first["policy"], first["budget"], first["requests"]) == ("lru", 20, 10)
+    assert first["bound_method"] == "exact"
+    assert all(r["bound_reload_seconds"] <= r["reload_seconds"] for r in results)
+
+
+def test_cli_table_and_plot(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "out.png"
+    args = ["simulate", "--trace", str(trace_file), "--budget", "20", "--budget", "30"]
+    assert main([*args, "--policy", "lru,gdsf", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "trace.csv: 10 requests" in out
+    assert "optimum" in out and "gdsf" in out and "vs optimum" in out
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_cli_several_spaces_without_bound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("time,key,size,load_seconds,space\n0,a,10,1,ram\n1,b,10,1,gpu\n2,a,10,1,ram\n")
+    args = ["simulate", "--trace", str(path), "--budget", "ram=10,gpu=10", "--no-bound"]
+    assert main([*args, "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results[0]["budget"] == {"ram": 10, "gpu": 10}
+    assert results[0]["hits"] == 1
+    assert results[0]["bound_reload_seconds"] is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "lots"], "--budget 'lots' is not a byte quantity"),
+        (["--budget", "ram=1GiB,gpu"], "'gpu' is not SPACE=AMOUNT"),
+        (["--budget", "5"], "needs 10 bytes of 'default', more than its whole budget of 5"),
+        (["--budget", "20", "--policy", "mru"], "unknown policy 'mru'"),
+        (["--budget", "20", "--idle-ttl", "-1"], "--idle-ttl must be a positive number"),
+        ([], "--trace needs --budget"),
+    ],
+)
+def test_cli_errors_are_clear(
+    trace_file: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--trace", str(trace_file), *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_bad_trace_and_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,key,size,load_seconds\n0,a,10,slow\n")
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", str(bad), "--budget", "1GiB"])
+    assert "bad.csv, line 2, column 'load_seconds'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", str(tmp_path / "none.csv"), "--budget", "1GiB"])
+    assert "none.csv: No such file or directory" in capsys.readouterr().err
+
+
+def test_cli_builtin_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--budget", "72GiB", "--policy", "lru,cost"]) == 0
+    out = capsys.readouterr().out
+    assert "built-in workload (seed 1): 2,000 requests" in out
+    assert "72.0 GiB" in out and "optimum" in out
+
+
+def test_rich_table_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "160")
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    _print_table(simulate(spaced("ABAB"), [10]), "t.csv", 4, out)
+    text = out.getvalue()
+    assert "t.csv: 4 requests" in text and "optimum" in text and "┃" in text
