@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from ._core import Core, Effect, Entry, Owner, Reason, Ticket
+from ._core import Core, Effect, Entry, Owner, Reason, State, Ticket
 from ._errors import InvalidArgument
 from ._policy import Policy, make_policy
 
@@ -134,8 +134,8 @@ def replay(
     name = policy if isinstance(policy, str) else type(policy).__name__
     core = Core(budget, make_policy(policy), idle_ttl=idle_ttl)
     owners: dict[str, Owner] = {}
-    # Completions: (time, order, ticket-or-entry); a Ticket is a lease to end,
-    # an Entry a load that finishes.
+    # Completions: (time, order, subject); an Entry is a load that finishes,
+    # an (entry, task) pair a lease that ends.
     pending: list[tuple[float, int, Any]] = []
     order = itertools.count()
     push = heapq.heappush
@@ -147,6 +147,7 @@ def replay(
     all_loads = 0.0
     now = 0.0
     sweeping = idle_ttl is not None
+    ready = State.READY
 
     def perform() -> None:
         nonlocal loaded
@@ -167,15 +168,14 @@ def replay(
                     for ticket in subject.shell.tickets:
                         arrival.pop(ticket, None)
                         if ticket.outcome is True:
-                            end(ticket)
+                            end(subject, ticket.task, holds.pop(ticket))
                     subject.shell.tickets = []
 
-    def end(ticket: Ticket) -> None:
-        hold = holds.pop(ticket)
+    def end(entry: Entry, task: int, hold: float) -> None:
         if hold:
-            push(pending, (now + hold, next(order), ticket))
+            push(pending, (now + hold, next(order), (entry, task)))
         else:
-            core.lease_end(ticket.entry, ticket.task, now)
+            core.lease_end(entry, task, now)
 
     def complete_until(limit: float) -> None:
         nonlocal now
@@ -183,10 +183,10 @@ def replay(
             now, _, subject = pop(pending)
             if sweeping:
                 core.sweep(now)
-            if isinstance(subject, Entry):
-                core.load_done(subject, None, None, subject.shell.load_seconds, now)
+            if type(subject) is tuple:
+                core.lease_end(subject[0], subject[1], now)
             else:
-                core.lease_end(subject.entry, subject.task, now)
+                core.load_done(subject, None, None, subject.shell.load_seconds, now)
             if core.effects:
                 perform()
 
@@ -196,7 +196,8 @@ def replay(
                 f"{_where(request)}requests must be in time order, but {request.time:g} "
                 f"comes after {now:g}"
             )
-        complete_until(request.time)
+        if pending and pending[0][0] <= request.time:
+            complete_until(request.time)
         now = request.time
         if sweeping:
             core.sweep(now)
@@ -206,20 +207,25 @@ def replay(
         if owner is None:
             owner = owners[request.cache] = core.open_owner(request.cache)
         all_loads += request.load_seconds
-        ticket = core.request(
-            owner, request.key, dict(request.size), number, cost=request.load_seconds
-        )
-        holds[ticket] = request.hold_seconds
-        if ticket.outcome is True:
-            end(ticket)
+        entry = owner.entries.get(request.key)
+        if entry is not None and entry.state is ready:  # a hit, as the broker serves it
+            core.hit(entry, number)
+            end(entry, number, request.hold_seconds)
         else:
+            ticket = core.request(
+                owner, request.key, dict(request.size), number, cost=request.load_seconds
+            )
             entry = ticket.entry
-            shell = entry.shell
-            if shell is None:
-                shell = entry.shell = _Pending(request.load_seconds)
-            shell.tickets.append(ticket)
-            if not shell.started:
-                arrival[ticket] = (number, now)
+            if ticket.outcome is True:
+                end(entry, number, request.hold_seconds)
+            else:
+                holds[ticket] = request.hold_seconds
+                shell = entry.shell
+                if shell is None:
+                    shell = entry.shell = _Pending(request.load_seconds)
+                shell.tickets.append(ticket)
+                if not shell.started:
+                    arrival[ticket] = (number, now)
         if core.effects:
             perform()
     complete_until(math.inf)
