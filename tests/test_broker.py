@@ -84,6 +84,66 @@ async def test_lease_release_is_idempotent_and_value_unusable_after() -> None:
         assert (await broker.stats()).leased == 0
 
 
+async def test_a_lease_is_acquired_once_when_awaited_or_entered() -> None:
+    async with Broker(budget=1000) as broker, broker.cache("p", Recorder()) as cache:
+        lease = cache.acquire("k", load=loader(1), size=10)
+        assert repr(lease) == "<Lease 'k' not acquired>"
+        assert not lease.released
+        with pytest.raises(RuntimeError, match="not acquired yet"):
+            _ = lease.value
+        await lease.release()  # nothing to end yet
+        assert (await lease) is lease
+        assert lease.value == 1 and repr(lease) == "<Lease 'k' held>"
+        with pytest.raises(RuntimeError, match="already awaited or entered"):
+            await lease
+        with pytest.raises(RuntimeError, match="already awaited or entered"):
+            async with lease:
+                pass
+        assert broker.stats_nowait().leased == 1  # the refusals took nothing
+        await lease.release()
+        assert repr(lease) == "<Lease 'k' released>"
+        with pytest.raises(RuntimeError, match="already awaited or entered"):
+            await lease
+        async with cache.acquire("k", load=loader(2), size=10) as entered:
+            assert entered.value == 1
+        assert entered.released
+
+
+async def test_one_lease_awaited_by_two_tasks_is_acquired_once() -> None:
+    gate = anyio.Event()
+
+    async def slow() -> int:
+        await gate.wait()
+        return 1
+
+    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+        lease = cache.acquire("k", load=slow, size=10)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_await, lease)
+            await anyio.wait_all_tasks_blocked()
+            with pytest.raises(RuntimeError, match="already awaited or entered"):
+                await lease
+            gate.set()
+        assert lease.value == 1
+        await lease.release()
+        assert broker.stats_nowait().leased == 0
+
+
+async def _await(lease: cachebroker.Lease[Any]) -> None:
+    await lease
+
+
+async def test_a_failed_acquire_may_be_awaited_again() -> None:
+    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+        held = await cache.acquire("a", load=loader(1), size=10)
+        pending = cache.acquire("b", load=loader(2), size=10)
+        with pytest.raises(DeadlockError):  # only this task's own lease is in the way
+            await pending
+        await held.release()
+        assert (await pending).value == 2
+        await pending.release()
+
+
 async def test_concurrent_acquires_of_one_key_load_once() -> None:
     calls: list[int] = []
     gate = anyio.Event()

@@ -165,7 +165,7 @@ class InFlightMachine(RuleBasedStateMachine):
                 break
             h.core.check()
         assert not h.core.queue, h.core.queue
-        assert not h.core.leased
+        assert not any(entry.leases for entry in h.core.busy), h.core.busy
         h.core.clear()
         h.drain()
         while h.releasing:

@@ -238,7 +238,7 @@ class BrokerMachine(RuleBasedStateMachine):
                 await anyio.sleep(0.001)
         core = self.broker._core
         assert not core.queue, core.queue
-        assert not core.leased, core.leased
+        assert not any(entry.leases for entry in core.busy), core.busy
         assert self.broker.stats_nowait().waiting == 0
 
 

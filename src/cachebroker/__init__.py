@@ -6,7 +6,6 @@ the owning plugin to release idle values, awaits its acknowledgement, and only
 then hands the space to the requester.
 """
 
-from ._broker import Acquisition as Acquisition
 from ._broker import Broker as Broker
 from ._broker import Cache as Cache
 from ._broker import Lease as Lease
@@ -45,7 +44,6 @@ __all__ = (
     "CostAware",
     "PolicyBase",
     "AcquireTimeout",
-    "Acquisition",
     "Broker",
     "BrokerClosed",
     "BrokerError",

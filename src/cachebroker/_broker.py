@@ -50,7 +50,7 @@ from ._sizes import parse_budget, parse_bytes, parse_size
 from ._stats import EvictionReport, Stats
 from .probes import Probe
 
-__all__ = ["Acquisition", "Broker", "Cache", "Lease", "Releaser"]
+__all__ = ["Broker", "Cache", "Lease", "Releaser"]
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -412,7 +412,7 @@ class Broker:
             waiting=waiting,
             loading=counts[State.LOADING],
             ready=counts[State.READY],
-            leased=len(core.leased),
+            leased=sum(1 for entry in core.busy if entry.leases),
             releasing=counts[State.RELEASING],
             quarantined=counts[State.QUARANTINED],
             quarantined_keys=tuple((entry.owner.name, entry.key) for entry in core.quarantined),
@@ -858,7 +858,7 @@ class Cache:
         cost: float | None = None,
         idle_ttl: float | None = None,
         pin: bool = False,
-    ) -> Acquisition[T]: ...
+    ) -> Lease[T]: ...
 
     @overload
     def acquire(
@@ -871,7 +871,7 @@ class Cache:
         cost: float | None = None,
         idle_ttl: float | None = None,
         pin: bool = False,
-    ) -> Acquisition[T]: ...
+    ) -> Lease[T]: ...
 
     def acquire(
         self,
@@ -883,7 +883,7 @@ class Cache:
         cost: float | None = None,
         idle_ttl: float | None = None,
         pin: bool = False,
-    ) -> Acquisition[Any]:
+    ) -> Lease[Any]:
         """Lease the value of ``key``, loading it first if needed.
 
         Use as ``lease = await cache.acquire(...)`` (then ``await
@@ -924,7 +924,7 @@ class Cache:
         cancellation point; on asyncio a hit completes without suspending.
         """
         if cost is None and idle_ttl is None and pin is False:  # The hit path's usual call.
-            return Acquisition(self, key, load, size, timeout)
+            return Lease(self, key, load, size, timeout)
         if cost is not None:
             cost = _non_negative_seconds(cost, "cost")
         if idle_ttl is not None:
@@ -987,7 +987,8 @@ class Cache:
         size: SizeSpec,
         timeout: float | None,
         cost: float | None = None,
-    ) -> Lease[Any]:
+    ) -> tuple[Entry, object]:
+        """Acquire ``key`` the long way (a miss, a join, a trio hit): the entry and its holder."""
         broker = self._broker
         self._find(key)  # an unhashable key is an InvalidKey
         if self._closed or not broker._running:
@@ -1017,7 +1018,7 @@ class Cache:
             broker._apply()
             broker._log.debug(ev.HIT, cache=self.name, key=key)
             await anyio.lowlevel.checkpoint()
-            return Lease(entry, broker, task)
+            return entry, task
         if entry.shell is None:
             entry.shell = _Slot(load, measure)
             broker._log.debug(ev.MISS, cache=self.name, key=key, bytes=need)
@@ -1026,7 +1027,7 @@ class Cache:
         broker._apply()
         return await self._wait(ticket, timeout)
 
-    async def _wait(self, ticket: Ticket, timeout: float | None) -> Lease[Any]:
+    async def _wait(self, ticket: Ticket, timeout: float | None) -> tuple[Entry, object]:
         broker = self._broker
         core = broker._core
         entry = ticket.entry
@@ -1057,7 +1058,7 @@ class Cache:
             raise
         outcome = ticket.outcome
         if outcome is True:
-            return Lease(entry, broker, ticket.task)
+            return entry, ticket.task
         assert isinstance(outcome, BaseException)
         raise _own_copy(outcome)
 
@@ -1080,13 +1081,22 @@ class Cache:
         return [entry.key for entry in owner.live if entry.leases]
 
 
-class Acquisition(Generic[T_co]):
-    """The pending result of ``cache.acquire(...)``: await it or use it with ``async with``."""
+class Lease(Generic[T_co]):
+    """A hold on a loaded value: while any lease is held the value is never asked to release.
 
-    __slots__ = ("_cache", "_key", "_lease", "_load", "_size", "_timeout")
+    ``cache.acquire(...)`` returns the lease before it is granted; awaiting it
+    (``lease = await cache.acquire(...)``) or entering it (``async with
+    cache.acquire(...) as lease``) acquires it, once. Leaving the ``async
+    with`` block, or ``await lease.release()``, ends it.
 
-    # The hit path builds one of these per call: the options most calls leave
-    # at their defaults are read from the class (``_Tuned`` carries them).
+    Attributes:
+        key: The key the value was acquired under.
+    """
+
+    __slots__ = ("_cache", "_entry", "_load", "_size", "_task", "_timeout", "key")
+
+    # The hit path builds one lease per call: the options most calls leave at
+    # their defaults are read from the class (``_Tuned`` carries them).
     _cost: float | None = None
     _options: tuple[float | None, bool] | None = None
 
@@ -1099,43 +1109,55 @@ class Acquisition(Generic[T_co]):
         timeout: float | None,
     ) -> None:
         self._cache = cache
-        self._key = key
+        self.key = key
         self._load = load
         self._size = size
         self._timeout = timeout
-        self._lease: Lease[Any] | None = None
+        self._entry: Entry | None = None
+        #: The holder task once granted; else _PENDING, _ACQUIRING or _RELEASED.
+        self._task: object = _PENDING
 
     def __await__(self) -> Generator[Any, Any, Lease[T_co]]:
         # The hit path, written out in one frame: a ready entry is leased in
         # this step, without building a coroutine (docs/architecture.md).
+        if self._task is not _PENDING:
+            raise RuntimeError(
+                f"this lease on {self.key!r} was already awaited or entered; a lease is "
+                "acquired once: call cache.acquire() again for another"
+            )
+        self._task = _ACQUIRING
         cache = self._cache
         broker = cache._broker
-        checkpoint = broker._checkpoint
-        if checkpoint is not None:  # trio: every acquire is a cancellation point
-            yield from checkpoint().__await__()
         try:
-            entry = cache._entries.get(self._key)
-        except TypeError:
-            entry = None  # _acquire_slow raises InvalidKey
-        if entry is not None and entry.state is _READY and not cache._owner.closing:
-            task = broker._current_task()
-            broker._core.hit(entry, task)
-            if broker._trace:
-                broker._log.debug(ev.HIT, cache=cache.name, key=self._key)
-            lease: Lease[T_co] = Lease(entry, broker, task)
-        else:
-            slow = cache._acquire_slow(self._key, self._load, self._size, self._timeout, self._cost)
-            lease = yield from slow.__await__()
+            checkpoint = broker._checkpoint
+            if checkpoint is not None:  # trio: every acquire is a cancellation point
+                yield from checkpoint().__await__()
+            try:
+                entry = cache._entries.get(self.key)
+            except TypeError:
+                entry = None  # _acquire_slow raises InvalidKey
+            if entry is not None and entry.state is _READY and not cache._owner.closing:
+                task = broker._current_task()
+                broker._core.hit(entry, task)
+                if broker._trace:
+                    broker._log.debug(ev.HIT, cache=cache.name, key=self.key)
+            else:
+                slow = cache._acquire_slow(
+                    self.key, self._load, self._size, self._timeout, self._cost
+                )
+                entry, task = yield from slow.__await__()
+        except BaseException:
+            self._task = _PENDING  # nothing was acquired: it may be awaited again
+            raise
+        self._entry = entry
+        self._task = task
         if self._options is not None:
             idle_ttl, pin = self._options
-            broker._core.configure(cast(Entry, lease._entry), idle_ttl=idle_ttl, pin=pin or None)
-        self._lease = lease  # for __aexit__
-        return lease
+            broker._core.configure(entry, idle_ttl=idle_ttl, pin=pin or None)
+        return self
 
     def __aenter__(self) -> Awaitable[Lease[T_co]]:
         # Plain methods returning awaitables: ``async with`` costs no coroutines.
-        if self._lease is not None:
-            raise RuntimeError("this acquire(...) was already entered; call acquire() again")
         return self
 
     def __aexit__(
@@ -1144,43 +1166,30 @@ class Acquisition(Generic[T_co]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> Awaitable[None]:
-        lease = self._lease
-        return _DONE if lease is None else lease.release()
-
-
-class _Tuned(Acquisition[T_co]):
-    """An ``Acquisition`` given ``cost``, ``idle_ttl`` or ``pin``."""
-
-    __slots__ = ("_cost", "_options")
-
-
-class Lease(Generic[T_co]):
-    """A hold on a loaded value: while any lease is held the value is never asked to release.
-
-    Attributes:
-        key: The key the value was acquired under.
-    """
-
-    __slots__ = ("_broker", "_entry", "_task", "key")
-
-    def __init__(self, entry: Entry, broker: Broker, task: object) -> None:
-        self._entry: Entry | None = entry
-        self._broker = broker
-        self._task = task
-        self.key = entry.key
+        return self.release()
 
     @property
     def value(self) -> T_co:
-        """The loaded value. Raises ``LeaseReleased`` once the lease was released."""
+        """The loaded value.
+
+        Raises:
+            LeaseReleased: the lease was released.
+            RuntimeError: the lease was not acquired (awaited or entered) yet.
+        """
         entry = self._entry
         if entry is None:
-            raise LeaseReleased(f"the lease on {self.key!r} was released; acquire it again")
+            if self._task is _RELEASED:
+                raise LeaseReleased(f"the lease on {self.key!r} was released; acquire it again")
+            raise RuntimeError(
+                f"the lease on {self.key!r} is not acquired yet: "
+                "await cache.acquire(...) or use it with 'async with'"
+            )
         return cast(T_co, entry.value)
 
     @property
     def released(self) -> bool:
-        """Whether ``release()`` was called."""
-        return self._entry is None
+        """Whether the lease was acquired and then released."""
+        return self._task is _RELEASED
 
     def release(self) -> Awaitable[None]:
         """End the lease: ``await lease.release()``. Idempotent; never raises.
@@ -1189,17 +1198,20 @@ class Lease(Generic[T_co]):
         so cancellation cannot leave it half-ended; the awaitable it returns
         is already complete (it is not a cancellation point). When this was
         the last lease the value becomes idle (kept while space allows) or, if
-        it was invalidated or retention is off, it is released.
+        it was invalidated or retention is off, it is released. On a lease
+        not acquired yet it does nothing.
         """
         entry = self._entry
         if entry is None:
             return _DONE
         self._entry = None
-        broker = self._broker
+        task = self._task
+        self._task = _RELEASED
+        broker = self._cache._broker
         core = broker._core
         # When the entry went idle only matters to an idle TTL: skip the clock otherwise.
         timed = entry.ttl is not None or broker._idle_ttl is not None
-        core.lease_end(entry, self._task, broker._clock() if timed else 0.0)
+        core.lease_end(entry, task, broker._clock() if timed else 0.0)
         if core.effects:
             broker._apply()
         if timed and not entry.leases:
@@ -1207,8 +1219,32 @@ class Lease(Generic[T_co]):
         return _DONE
 
     def __repr__(self) -> str:
-        state = "released" if self._entry is None else "held"
+        if self._entry is not None:
+            state = "held"
+        else:
+            state = "released" if self._task is _RELEASED else "not acquired"
         return f"<Lease {self.key!r} {state}>"
+
+
+class _Tuned(Lease[T_co]):
+    """A ``Lease`` whose acquire was given ``cost``, ``idle_ttl`` or ``pin``."""
+
+    __slots__ = ("_cost", "_options")
+
+
+class _Marker:
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+_PENDING = _Marker("<not acquired>")
+_ACQUIRING = _Marker("<acquiring>")
+_RELEASED = _Marker("<released>")
 
 
 # ---------------------------------------------------------------------- helpers

@@ -251,11 +251,14 @@ class Core:
         self.idle_ttl = idle_ttl
         self.owners: dict[str, Owner] = {}
         self.queue: dict[Entry, None] = {}
-        self.leased: dict[Entry, None] = {}
+        #: Entries with a lease, and settling ones (below): deadlock detection
+        #: looks here for the leases of a task.
+        self.busy: dict[Entry, None] = {}
         #: Entries whose last lease ended since the books were last settled, in
-        #: that order: they become idle (policy, idle bytes, expiry) in ``_settle``,
-        #: so a hit and its release that follow each other cost two dict steps.
-        self._settling: dict[Entry, None] = {}
+        #: that order (a subset of ``busy``): they become idle (policy, idle
+        #: bytes, expiry) in ``_settle``, so a hit and the release that follows
+        #: it cost one dict step each.
+        self._settling: dict[Entry, bool] = {}
         self.quarantined: dict[Entry, BaseException] = {}
         self.effects: list[tuple[Effect, Any]] = []
         self._overdrawn: set[str] = set()
@@ -341,9 +344,9 @@ class Core:
         if entry.leases == 0:
             if entry.idle_seq:  # (a pinned entry never was a candidate)
                 self._unidle(entry)
-            elif self._settling:
-                self._settling.pop(entry, None)
-            self.leased[entry] = None
+                self.busy[entry] = None
+            elif not self._settling.pop(entry, False):  # (a settling one is still busy)
+                self.busy[entry] = None
         entry.leases += 1
         entry.holders.append(task)
         # _count_request, inlined: this is the hit path.
@@ -439,9 +442,9 @@ class Core:
     def _check_deadlock(
         self, owner: Owner, key: Hashable, need: Mapping[str, int], task: object
     ) -> None:
-        if not self.leased or all(self.spaces[s].fits(n) for s, n in need.items()):
+        if not self.busy or all(self.spaces[s].fits(n) for s, n in need.items()):
             return
-        mine = [entry for entry in self.leased if task in entry.holders]
+        mine = [entry for entry in self.busy if task in entry.holders]
         for name, amount in need.items():
             pinned = [e for e in mine if name in e.charge]
             space = self.spaces[name]
@@ -527,7 +530,7 @@ class Core:
         if rejected is not None:
             self._start_release(entry, Reason.REJECTED)
         elif entry.leases:
-            self.leased[entry] = None
+            self.busy[entry] = None
             if not recharged:
                 return  # Nothing the queue waits on changed: scheduling would do nothing.
         else:
@@ -600,7 +603,6 @@ class Core:
         except ValueError:  # The lease was handed to another task: forget one of the holders.
             holders.pop()
         if entry.leases == 0:
-            del self.leased[entry]
             if (
                 self.queue
                 or self._overdrawn
@@ -609,18 +611,21 @@ class Core:
                 or entry.ttl == 0
                 or not self.retain
             ):
+                del self.busy[entry]
                 self._rest(entry, now)
                 self._schedule()
             else:  # Nobody waits: let it become idle when the books are next read.
                 entry.idle_since = now
-                self._settling[entry] = None
+                self._settling[entry] = True
 
     def _settle(self) -> None:
         """Make the entries whose last lease ended idle, in the order their leases ended."""
         settling = self._settling
         if settling:
             self._settling = {}
+            busy = self.busy
             for entry in settling:
+                del busy[entry]
                 self._rest(entry, entry.idle_since)
 
     def _rest(self, entry: Entry, now: float) -> None:
@@ -675,8 +680,8 @@ class Core:
     def _start_release(self, entry: Entry, reason: Reason) -> None:
         if entry.idle_seq:
             self._unidle(entry)
-        elif self._settling:
-            self._settling.pop(entry, None)
+        elif self._settling.pop(entry, False):
+            del self.busy[entry]
         entry.state = State.RELEASING
         for name, amount in entry.charge.items():
             self.spaces[name].releasing += amount
@@ -1122,8 +1127,10 @@ class Core:
             if entry.leases:
                 assert entry.state is State.READY and not entry.idle_seq, entry
                 assert len(entry.holders) == entry.leases, entry
-                assert entry in self.leased, entry
+                assert entry in self.busy, entry
         assert self.idle_count == sum(1 for e in self.entries() if e.idle_seq), self.idle_count
+        for entry in self.busy:
+            assert entry.leases or entry in self._settling, entry
         for name in self.canon_names:
             space = self.spaces[name]
             assert space.used == used[name], (name, space.used, used[name])
