@@ -400,3 +400,18 @@ def test_rich_table_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     _print_table(simulate(spaced("ABAB"), [10]), "t.csv", 4, out)
     text = out.getvalue()
     assert "t.csv: 4 requests" in text and "optimum" in text and "┃" in text
+
+
+def test_cli_without_the_sim_extra(
+    trace_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import cachebroker._simulate_cli as cli
+
+    monkeypatch.setattr(cli, "_has", lambda module: False)
+    assert main(["simulate", "--trace", str(trace_file), "--budget", "20"]) == 0
+    captured = capsys.readouterr()
+    assert "the offline optimum needs scipy" in captured.err
+    assert "optimum" not in captured.out and "lru" in captured.out
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", str(trace_file), "--budget", "20", "--plot", "x.png"])
+    assert "--plot needs matplotlib" in capsys.readouterr().err

@@ -272,12 +272,16 @@ def table_rows(comparisons: list[Comparison]) -> list[tuple[str, ...]]:
 def _print_table(comparisons: list[Comparison], source: str, requests: int, out: IO[str]) -> None:
     title = f"{source}: {requests:,} requests"
     cells = table_rows(comparisons)
+    headers: tuple[str, ...] = HEADERS
+    if all(comparison.bound is None for comparison in comparisons):
+        headers = HEADERS[:-1]  # no optimum, no gap to it
+        cells = [row[:-1] for row in cells]
     if out.isatty() and _has("rich"):
         from rich.console import Console
         from rich.table import Table
 
         table = Table(title=title, title_justify="left")
-        for index, header in enumerate(HEADERS):
+        for index, header in enumerate(headers):
             table.add_column(header, justify="left" if index < 2 else "right")
         for index, row in enumerate(cells):
             last_of_budget = index + 1 == len(cells) or cells[index + 1][0] != row[0]
@@ -285,7 +289,7 @@ def _print_table(comparisons: list[Comparison], source: str, requests: int, out:
         Console(file=out).print(table)
     else:
         print(title, file=out)
-        widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(HEADERS)]
+        widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
 
         def line(row: tuple[str, ...]) -> str:
             return "  ".join(
@@ -293,7 +297,7 @@ def _print_table(comparisons: list[Comparison], source: str, requests: int, out:
                 for index, (cell, width) in enumerate(zip(row, widths, strict=True))
             ).rstrip()
 
-        print(line(HEADERS), file=out)
+        print(line(headers), file=out)
         for row in cells:
             print(line(row), file=out)
     _print_notes(comparisons, out)
