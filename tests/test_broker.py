@@ -612,6 +612,36 @@ async def test_acquire_hit_and_miss_events_have_stable_names(
     assert (freed["cache"], freed["key"], freed["bytes"]) == ("p", "a", {"default": 10})
 
 
+async def test_listeners_get_the_events_and_a_failing_one_is_removed(
+    events: list[MutableMapping[str, Any]],
+) -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def broken(event: str, fields: Any) -> None:
+        raise ValueError("boom")
+
+    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+        broker.add_listener(lambda event, fields: seen.append((event, dict(fields))))
+        broker.add_listener(broken)
+        with pytest.raises(TypeError, match="listener must be a callable"):
+            broker.add_listener("print")  # type: ignore[arg-type]
+        for key in ["a", "a", "b"]:
+            async with cache.acquire(key, load=loader(key), size=10):
+                pass
+        broker.remove_listener(broken)  # already gone: ignored
+    names = [event for event, _ in seen]
+    assert names[:3] == ["cachebroker.grant", "cachebroker.load.start", "cachebroker.load.done"]
+    assert "cachebroker.hit" not in names and "cachebroker.miss" not in names
+    assert "cachebroker.release.requested" in names
+    grant = seen[0][1]
+    assert grant["waited"] >= 0 and grant["bytes"] == {"default": 10}
+    freed = next(fields for event, fields in seen if event == "cachebroker.release.freed")
+    assert freed["seconds"] >= 0 and freed["late"] is False
+    failures = [e for e in events if e["event"] == "cachebroker.listener.failed"]
+    assert len(failures) == 1
+    assert failures[0]["error"] == "ValueError('boom')"
+
+
 async def test_unhashable_key_is_a_clear_type_error() -> None:
     async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(InvalidKey, match="hashable"):

@@ -15,6 +15,7 @@ outcomes come back as further core steps.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import functools
@@ -74,6 +75,8 @@ class Releaser(Protocol):
 
 
 ReleaseFunction = Callable[[Any, Any], Awaitable[None]]
+#: ``listener(event, fields)``: see ``Broker.add_listener``.
+Listener = Callable[[str, Mapping[str, Any]], None]
 SizeSpec = int | str | Mapping[str, int | str] | Callable[[Any], Any] | None
 BudgetValue = int | str | Probe | Callable[[], tuple[int, int]]
 
@@ -81,9 +84,22 @@ BudgetValue = int | str | Probe | Callable[[], tuple[int, int]]
 class _Slot:
     """What the shell keeps on an entry: how to load it and how to wake its waiters."""
 
-    __slots__ = ("cancelled", "done", "is_async", "load", "measure", "released", "scope")
+    __slots__ = (
+        "cancelled",
+        "done",
+        "is_async",
+        "load",
+        "measure",
+        "queued_at",
+        "release_started",
+        "released",
+        "scope",
+        "timed_out",
+    )
 
-    def __init__(self, load: Callable[[], Any], measure: Callable[[Any], Any] | None) -> None:
+    def __init__(
+        self, load: Callable[[], Any], measure: Callable[[Any], Any] | None, now: float
+    ) -> None:
         self.load = load
         self.is_async = _is_async_callable(load)
         self.measure = measure
@@ -91,6 +107,11 @@ class _Slot:
         self.released: anyio.Event | None = None
         self.scope: anyio.CancelScope | None = None
         self.cancelled = False
+        #: When the request that created the entry asked for space, when its
+        #: release was requested, and whether that release timed out.
+        self.queued_at = now
+        self.release_started = now
+        self.timed_out = False
 
 
 def _is_async_callable(func: object) -> bool:
@@ -239,6 +260,8 @@ class Broker:
         self._trace = True
         self._sweep_at: float | None = None
         self._releasing_tasks: set[object] = set()
+        self._listeners: list[Listener] = []
+        self._release_timeouts = 0
         self._refresh_probes()
         self._sweep_wake: anyio.Event | None = None
 
@@ -371,12 +394,45 @@ class Broker:
         ]
         for entry in written_off:
             core.forget(entry)
-            self._log.warning(
-                ev.QUARANTINE_FORGOTTEN, cache=cache, key=key, bytes=dict(entry.charge)
+            self._emit(
+                "warning", ev.QUARANTINE_FORGOTTEN, cache=cache, key=key, bytes=dict(entry.charge)
             )
         self._apply()
         await anyio.lowlevel.checkpoint()
         return len(written_off)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event, fields)`` for each event the broker logs from now on.
+
+        ``event`` is a name from the event catalogue (``docs/events.md``) and
+        ``fields`` its fields, as structlog gets them, whatever the logger's
+        level. The per-request events (``cachebroker.hit``, ``.miss`` and
+        ``.wait``) are not delivered: they are counted in ``stats()``.
+        Listeners run synchronously on the event loop, in the step that
+        produced the event: they must be quick and must not block. One that
+        raises is removed, and ``cachebroker.listener.failed`` is logged.
+        Metrics exporters (``cachebroker.metrics``) are built on this.
+        """
+        if not callable(listener):
+            raise TypeError(f"listener must be a callable (event, fields), got {listener!r}")
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener``; a listener that is not registered is ignored."""
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
+    def _emit(self, level: str, event: str, **fields: Any) -> None:
+        """Log ``event`` at ``level`` and hand it to the listeners."""
+        getattr(self._log, level)(event, **fields)
+        for listener in tuple(self._listeners):
+            try:
+                listener(event, fields)
+            except Exception as exc:
+                self.remove_listener(listener)
+                self._log.error(
+                    ev.LISTENER_FAILED, listener=repr(listener), event_name=event, error=repr(exc)
+                )
 
     async def stats(self) -> Stats:
         """Return a snapshot of the books (a checkpoint, nothing else)."""
@@ -409,6 +465,7 @@ class Broker:
             aliases=tuple(core.aliases()),
             releases={reason.value: n for reason, n in core.evictions.items()},
             releases_failed=core.releases_failed,
+            releases_timed_out=self._release_timeouts,
             waiting=waiting,
             loading=counts[State.LOADING],
             ready=counts[State.READY],
@@ -444,11 +501,15 @@ class Broker:
                     if slot.scope is not None:
                         slot.scope.cancel()
                 elif kind is Effect.QUARANTINED:
-                    self._log.error(
+                    slot = subject.shell
+                    self._emit(
+                        "error",
                         ev.RELEASE_FAILED,
                         cache=subject.owner.name,
                         key=subject.key,
                         error=repr(subject.error),
+                        timed_out=slot.timed_out,
+                        seconds=round(max(0.0, self._clock() - slot.release_started), 6),
                         bytes=dict(subject.charge),
                     )
                 elif kind is Effect.OWNER_EMPTY:
@@ -458,29 +519,40 @@ class Broker:
 
     def _start_load(self, entry: Entry) -> None:
         cache = self._caches[entry.owner]
-        self._log.debug(ev.GRANT, cache=cache.name, key=entry.key, bytes=dict(entry.charge))
+        slot: _Slot = entry.shell
+        self._emit(
+            "debug",
+            ev.GRANT,
+            cache=cache.name,
+            key=entry.key,
+            bytes=dict(entry.charge),
+            waited=round(max(0.0, self._clock() - slot.queued_at), 6),
+        )
         cache._spawn(self._run_load, entry, name=f"cachebroker load {cache.name}:{entry.key!r}")
 
     async def _run_load(self, entry: Entry) -> None:
         slot: _Slot = entry.shell
         core = self._core
-        log = self._log
         cache_name = entry.owner.name
         with anyio.CancelScope() as scope:
             slot.scope = scope
             if slot.cancelled:
                 scope.cancel()
-            log.info(ev.LOAD_START, cache=cache_name, key=entry.key, bytes=dict(entry.charge))
+            self._emit(
+                "info", ev.LOAD_START, cache=cache_name, key=entry.key, bytes=dict(entry.charge)
+            )
             started = self._clock()
             try:
                 value = await self._load_freeing_on_oom(entry, slot)
             except anyio.get_cancelled_exc_class():
-                log.info(ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
+                self._emit("info", ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
                 core.load_failed(entry, BrokerClosed("the load was cancelled"), cancelled=True)
                 self._apply()
                 raise
             except Exception as exc:
-                log.warning(ev.LOAD_FAILED, cache=cache_name, key=entry.key, error=repr(exc))
+                self._emit(
+                    "warning", ev.LOAD_FAILED, cache=cache_name, key=entry.key, error=repr(exc)
+                )
                 core.load_failed(entry, exc)
                 self._apply()
                 return
@@ -489,7 +561,8 @@ class Broker:
             core.load_done(entry, value, measured, seconds, self._clock(), error=error)
             if entry.idle_seq:
                 self._note_idle(entry)
-            log.info(
+            self._emit(
+                "info",
                 ev.LOAD_DONE,
                 cache=cache_name,
                 key=entry.key,
@@ -525,7 +598,8 @@ class Broker:
                         f"loading {entry.owner.name}:{entry.key!r} ran out of memory and {why}"
                     ) from exc
                 retries += 1
-                self._log.warning(
+                self._emit(
+                    "warning",
                     ev.LOAD_RETRY,
                     cache=entry.owner.name,
                     key=entry.key,
@@ -549,7 +623,8 @@ class Broker:
             return
         merged = self._core.note_alias_evidence(freed, entry.charge, self._alias_threshold)
         for keep, other in merged:
-            self._log.warning(
+            self._emit(
+                "warning",
                 ev.ALIAS_LEARNED,
                 spaces=[keep, other],
                 evidence=self._alias_threshold,
@@ -593,6 +668,7 @@ class Broker:
         cache = self._caches.get(entry.owner)
         slot: _Slot = entry.shell
         slot.released = anyio.Event()
+        slot.release_started = self._clock()
         if cache is None or cache._closed:
             # The owner's block is gone: nobody is left to free the value.
             self._core.release_failed(
@@ -603,7 +679,8 @@ class Broker:
             )
             slot.released.set()
             return
-        self._log.info(
+        self._emit(
+            "info",
             ev.RELEASE_REQUESTED,
             cache=cache.name,
             key=entry.key,
@@ -642,12 +719,14 @@ class Broker:
             entry.value = None
             late = entry.state is State.QUARANTINED
             core.release_done(entry)
-            self._log.info(
+            self._emit(
+                "info",
                 ev.RELEASE_FREED,
                 cache=cache.name,
                 key=entry.key,
                 bytes=dict(entry.charge),
                 late=late,
+                seconds=round(max(0.0, self._clock() - slot.release_started), 6),
             )
         finally:
             self._releasing_tasks.discard(task)
@@ -661,6 +740,8 @@ class Broker:
     async def _watch_release(self, entry: Entry, scope: anyio.CancelScope, timeout: float) -> None:
         with scope:
             await anyio.sleep(timeout)
+            entry.shell.timed_out = True
+            self._release_timeouts += 1
             self._core.release_failed(
                 entry,
                 ReleaseFailed(
@@ -726,7 +807,8 @@ class Broker:
                 if not short:
                     return
                 await anyio.sleep(0.02)
-        self._log.warning(
+        self._emit(
+            "warning",
             ev.MEMORY_SLOW,
             cache=entry.owner.name,
             key=entry.key,
@@ -1020,7 +1102,7 @@ class Cache:
             await anyio.lowlevel.checkpoint()
             return entry, task
         if entry.shell is None:
-            entry.shell = _Slot(load, measure)
+            entry.shell = _Slot(load, measure, broker._clock())
             broker._log.debug(ev.MISS, cache=self.name, key=key, bytes=need)
         if entry.state is State.WAITING:
             broker._log.debug(ev.WAIT, cache=self.name, key=key, bytes=entry.need)

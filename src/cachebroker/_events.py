@@ -25,6 +25,7 @@ RELEASE_FAILED: Final = "cachebroker.release.failed"
 QUARANTINE_FORGOTTEN: Final = "cachebroker.quarantine.forgotten"
 ALIAS_LEARNED: Final = "cachebroker.alias.learned"
 MEMORY_SLOW: Final = "cachebroker.release.memory_slow"
+LISTENER_FAILED: Final = "cachebroker.listener.failed"
 
 ALL: Final = (
     HIT,
@@ -42,4 +43,5 @@ ALL: Final = (
     QUARANTINE_FORGOTTEN,
     ALIAS_LEARNED,
     MEMORY_SLOW,
+    LISTENER_FAILED,
 )

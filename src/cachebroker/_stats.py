@@ -31,6 +31,8 @@ class Stats:
         releases: Releases started, by reason (capacity, idle, invalidate, clear,
             close, unretained, rejected, retry, abandoned).
         releases_failed: Releases that raised or timed out (now quarantined).
+        releases_timed_out: Those of ``releases_failed`` that were not
+            acknowledged within ``release_timeout``.
         waiting: Requests queued for space.
         loading: Entries whose load is running.
         ready: Entries loaded and usable (idle or leased).
@@ -54,6 +56,7 @@ class Stats:
     aliases: tuple[tuple[str, ...], ...] = ()
     releases: Mapping[str, int]
     releases_failed: int
+    releases_timed_out: int = 0
     waiting: int
     loading: int
     ready: int
