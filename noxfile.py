@@ -29,8 +29,9 @@ def nightly(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "noxfile.py")
+    paths = ["src", "tests", "benchmarks", "docs/examples", "docs/conf.py", "noxfile.py"]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
 
 
 @nox.session
@@ -41,9 +42,19 @@ def typing(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Check that every example in the docs runs (the docs are Markdown under docs/)."""
+    """Build the site (Sphinx + MyST, warnings as errors) and run every example in it."""
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", "tests/test_docs.py")
+    session.run(
+        "sphinx-build", "-W", "--keep-going", "-E", "-b", "html", "docs", "docs/_build/html"
+    )
+    session.run("pytest", "-q", "tests/test_docs.py", "tests/test_examples.py")
+
+
+@nox.session
+def torch(session: nox.Session) -> None:
+    """Run the PyTorch recipe with real torch.nn modules (too heavy for the default run)."""
+    session.install("-e", ".", "torch==2.13.0", "numpy")
+    session.run("python", "docs/examples/torch_plugin.py")
 
 
 @nox.session

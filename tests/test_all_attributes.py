@@ -17,3 +17,45 @@ def test_public_objects_claim_the_public_module() -> None:
     # Nothing public leaks in besides the exported names and submodules.
     modules = {name for name in exported if type(getattr(cachebroker, name)).__name__ == "module"}
     assert exported - modules == set(cachebroker.__all__)
+
+
+PUBLIC_MODULES = [
+    "cachebroker",
+    "cachebroker.simulator",
+    "cachebroker.metrics",
+    "cachebroker.probes",
+]
+
+
+def _public_callables() -> list[tuple[str, object]]:
+    import importlib
+    import inspect
+
+    found: list[tuple[str, object]] = []
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.isclass(obj):
+                found.append((f"{module_name}.{name}", obj))
+                for attr, member in vars(obj).items():
+                    if attr.startswith("_") and attr not in ("__aenter__", "__aexit__"):
+                        continue
+                    target = member.fget if isinstance(member, property) else member
+                    if isinstance(target, staticmethod | classmethod):
+                        target = target.__func__
+                    if callable(target):
+                        found.append((f"{module_name}.{name}.{attr}", target))
+            elif callable(obj):
+                found.append((f"{module_name}.{name}", obj))
+    return found
+
+
+def test_every_public_name_has_a_docstring_and_async_ones_say_what_cancellation_does() -> None:
+    import inspect
+
+    for where, obj in _public_callables():
+        doc = inspect.getdoc(obj)
+        assert doc, f"{where} has no docstring"
+        if inspect.iscoroutinefunction(obj):
+            assert "ancel" in doc, f"{where} does not say what cancellation does"

@@ -71,7 +71,13 @@ class Releaser(Protocol):
     """
 
     async def release(self, key: Any, value: Any) -> None:
-        """Free ``value``, the value loaded for ``key``."""
+        """Free ``value``, the value loaded for ``key``.
+
+        Return only once the memory is really free (for a GPU, once the
+        framework's allocator gave it back). Cancellation: the broker cancels
+        a release only when the plugin's cache block is torn down past
+        ``release_timeout``; the entry is then quarantined.
+        """
 
 
 ReleaseFunction = Callable[[Any, Any], Awaitable[None]]
@@ -297,6 +303,10 @@ class Broker:
         return cls(**kwargs)
 
     async def __aenter__(self) -> Broker:
+        """Start the broker: its task group and idle sweeper run until the block ends.
+
+        Cancellation: nothing to undo; the broker was not started.
+        """
         if self._running or self._core.closed:
             raise RuntimeError("a Broker can be entered only once")
         backend = _running_backend()
@@ -323,6 +333,12 @@ class Broker:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        """Close every cache still open (see ``Cache``), then stop the sweeper.
+
+        Waiting requests fail with ``BrokerClosed`` and loads are cancelled.
+        Cancellation: the closing of the caches is shielded, so it completes
+        (each bounded by ``release_timeout``) even when the block is cancelled.
+        """
         tg = self._tg
         assert tg is not None
         try:
@@ -344,7 +360,10 @@ class Broker:
         The block runs a task group in which this cache's loads and releases
         run. Keys are per cache. Leaving the block releases the cache's entries
         through ``releaser``, waiting (bounded by ``release_timeout``) for
-        leases still held; see ``Cache`` for the rules.
+        leases still held; see ``Cache`` for the rules. Cancellation: entering
+        is not a cancellation point of its own; leaving is shielded up to
+        ``release_timeout``, so the entries are released even when the block
+        is cancelled.
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"cache name must be a non-empty string, got {name!r}")
@@ -367,6 +386,7 @@ class Broker:
         """Release every loaded entry of every cache; leased ones go when their last lease ends.
 
         Waits for the acknowledgements of the entries that were idle.
+        Cancellation stops the wait, not the releases already asked for.
         """
         self._check_running()
         core = self._core
@@ -385,7 +405,8 @@ class Broker:
         gone, the device was reset): its bytes are returned to the budget and
         waiting requests may be granted. Returns how many entries were written
         off (0 when none is quarantined under that name and key). A release
-        that acknowledges after this changes nothing.
+        that acknowledges after this changes nothing. Cancellation: the entries
+        are written off in one step before the call's only checkpoint.
         """
         self._check_running()
         core = self._core
@@ -435,7 +456,11 @@ class Broker:
                 )
 
     async def stats(self) -> Stats:
-        """Return a snapshot of the books (a checkpoint, nothing else)."""
+        """Return a snapshot of the books (see ``Stats``).
+
+        The snapshot is taken in one step; the call is a checkpoint, so it may
+        raise the caller's cancellation, and nothing else.
+        """
         await anyio.lowlevel.checkpoint()
         return self.stats_nowait()
 
@@ -1023,7 +1048,8 @@ class Cache:
 
         An idle value is released at once and its acknowledgement awaited; a
         leased one is released when its last lease ends. Returns whether there
-        was a value to drop.
+        was a value to drop. Cancellation stops the wait for the
+        acknowledgement; the value is dropped either way.
         """
         broker = self._broker
         if self._closed:
@@ -1040,7 +1066,8 @@ class Cache:
     async def unpin(self, key: Hashable) -> bool:
         """Let the policy and the idle TTL govern ``key`` again (see ``acquire(pin=True)``).
 
-        Returns whether it was pinned.
+        Returns whether it was pinned. Cancellation: the entry is unpinned in
+        one step before the call's only checkpoint.
         """
         broker = self._broker
         if self._closed:
@@ -1200,6 +1227,11 @@ class Lease(Generic[T_co]):
         self._task: object = _PENDING
 
     def __await__(self) -> Generator[Any, Any, Lease[T_co]]:
+        """Acquire: ``lease = await cache.acquire(...)`` (see ``Cache.acquire``).
+
+        Cancellation withdraws the request; nothing is held afterwards and the
+        lease may be awaited again.
+        """
         # The hit path, written out in one frame: a ready entry is leased in
         # this step, without building a coroutine (docs/architecture.md).
         if self._task is not _PENDING:
@@ -1239,6 +1271,10 @@ class Lease(Generic[T_co]):
         return self
 
     def __aenter__(self) -> Awaitable[Lease[T_co]]:
+        """Acquire the lease (as ``await``), for ``async with cache.acquire(...) as lease``.
+
+        Cancellation: as for ``await``; the block is not entered.
+        """
         # Plain methods returning awaitables: ``async with`` costs no coroutines.
         return self
 
@@ -1248,6 +1284,7 @@ class Lease(Generic[T_co]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> Awaitable[None]:
+        """End the lease (``release()``); never a cancellation point, never raises."""
         return self.release()
 
     @property

@@ -79,7 +79,11 @@ class PolicyBase:
         """``entry`` left the books (no-op)."""
 
     def victims(self, shortfall: Mapping[str, int]) -> list[Entry]:
-        raise NotImplementedError
+        """Return idle entries whose release covers ``shortfall`` (space -> bytes).
+
+        Subclasses must write it; may return too few (the core then waits).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define victims()")
 
 
 def _cover(candidates: Iterator[Entry], shortfall: Mapping[str, int]) -> list[Entry]:
@@ -141,6 +145,7 @@ class LRU(PolicyBase):
                     order.clear()  # give the emptied table back
 
     def victims(self, shortfall: Mapping[str, int]) -> list[Entry]:
+        """The least recently used idle entries of the short spaces, until covered."""
         queues = [iter(self._order.get(space, ())) for space in shortfall]
         if len(queues) == 1:
             return _cover(queues[0], shortfall)
@@ -173,6 +178,7 @@ class FIFO(PolicyBase):
                 self._resident[space].pop(entry, None)
 
     def victims(self, shortfall: Mapping[str, int]) -> list[Entry]:
+        """The first loaded idle entries of the short spaces, until covered."""
         queues = [iter(self._resident.get(space, ())) for space in shortfall]
         if len(queues) == 1:
             return _cover(queues[0], shortfall)
@@ -275,6 +281,7 @@ class GDSF(_Ranked):
         super().remove(entry)
 
     def victims(self, shortfall: Mapping[str, int]) -> list[Entry]:
+        """The lowest-priority idle entries until covered; the clock rises to the highest."""
         with closing(self._lowest(shortfall)) as lowest:
             ranked = {entry: rank for rank, entry in _take_covering(lowest, shortfall)}
         chosen = _cover(iter(ranked), shortfall)
@@ -344,6 +351,7 @@ class CostAware(_Ranked):
         self._rates = {k: v for k, v in self._rates.items() if v[1] >= horizon}
 
     def victims(self, shortfall: Mapping[str, int]) -> list[Entry]:
+        """The cheapest cover of ``shortfall`` among the lowest-ranked idle entries."""
         if len(self._version) <= self.candidates:
             # Every resident entry fits in the pool: skip the walk of the heaps.
             pool = [entry for entry in self._version if entry.idle]

@@ -1,0 +1,104 @@
+"""An ASGI inference service: one broker in the app's lifespan, two model plugins.
+
+Run it with any ASGI server, e.g. ``uvicorn asgi_service:app``; the test suite
+drives it in-process with httpx. The "models" are buffers standing in for
+real weights: speech models of 24 MiB and text models of 32 MiB under a 64 MiB
+budget, so concurrent requests for different models must take turns, and
+``/metrics`` shows the evictions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import cachebroker
+from cachebroker.metrics import instrument
+
+MiB = 2**20
+
+
+class Model:
+    """Stands in for loaded weights: a buffer that ``unload`` gives back."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.weights: bytearray | None = bytearray(size)
+
+    def unload(self) -> None:
+        self.weights = None
+
+    def run(self, text: str) -> str:
+        assert self.weights is not None, f"{self.name} was used after it was released"
+        return f"{self.name}: {text[::-1]}"
+
+
+class ModelPlugin:
+    """A plugin owning one family of models (a cachebroker Releaser)."""
+
+    def __init__(self, family: str, size: int) -> None:
+        self.family = family
+        self.size = size
+        self.loaded: set[str] = set()
+
+    async def load(self, name: str) -> Model:
+        await anyio.sleep(0.01)  # reading weights from disk
+        self.loaded.add(name)
+        return Model(f"{self.family}/{name}", self.size)
+
+    async def release(self, name: str, model: Model) -> None:
+        model.unload()  # runs in this plugin's task group, when the broker asks
+        self.loaded.discard(name)
+
+
+speech = ModelPlugin("speech", 24 * MiB)
+text = ModelPlugin("text", 32 * MiB)
+
+
+async def infer(request: Request, cache: cachebroker.Cache, plugin: ModelPlugin) -> JSONResponse:
+    name = request.path_params["model"]
+    body = (await request.body()).decode()
+    load = lambda: plugin.load(name)  # noqa: E731 - the loader takes no argument
+    async with cache.acquire(name, load=load, size=plugin.size, timeout=30) as lease:
+        await anyio.sleep(0.005)  # inference holds the lease
+        return JSONResponse({"output": lease.value.run(body)})
+
+
+async def transcribe(request: Request) -> JSONResponse:
+    return await infer(request, request.app.state.speech, speech)
+
+
+async def generate(request: Request) -> JSONResponse:
+    return await infer(request, request.app.state.text, text)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@asynccontextmanager
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async with cachebroker.Broker(budget="64MiB", idle_ttl=300) as broker:
+        async with broker.cache("speech", speech) as speech_cache:
+            async with broker.cache("text", text) as text_cache:
+                app.state.registry = CollectorRegistry()
+                instrument(broker, app.state.registry)
+                app.state.speech, app.state.text = speech_cache, text_cache
+                yield
+
+
+app = Starlette(
+    routes=[
+        Route("/transcribe/{model}", transcribe, methods=["POST"]),
+        Route("/generate/{model}", generate, methods=["POST"]),
+        Route("/metrics", metrics),
+    ],
+    lifespan=lifespan,
+)
