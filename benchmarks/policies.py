@@ -8,10 +8,12 @@ Two workloads over a catalogue of 12 real checkpoints (0.09-42.5 GB):
   models drawn at random — recency is all there is to know.
 
 Requests arrive far enough apart that every load finishes before the next
-request, so the figures measure eviction choices alone. Each workload is
-replayed at three budgets under lru, fifo, gdsf and cost; ratios are to lru.
+request, so the figures measure eviction choices alone, and the offline
+optimum (the simulator's exact MILP) is a true lower bound. Each workload is
+replayed at three budgets under lru, fifo, gdsf and cost; ratios are to lru,
+and the last column is each budget's optimum.
 
-    python benchmarks/policies.py [--seeds 5] [--json]
+    python benchmarks/policies.py [--seeds 5] [--no-bound] [--json]
 """
 
 from __future__ import annotations
@@ -23,27 +25,10 @@ import statistics
 import sys
 from typing import Any
 
-from cachebroker._replay import Request, replay
+from cachebroker.simulator import CATALOGUE, Request, offline_bound, replay
 
-GB = 10**9
 GiB = 2**30
 
-#: (name, size in bytes, load seconds). Sizes are the checkpoints' published
-#: file sizes; load times assume ~1.5 GB/s from local NVMe plus initialisation.
-CATALOGUE: tuple[tuple[str, int, float], ...] = (
-    ("all-MiniLM-L6-v2", int(0.09 * GB), 0.4),
-    ("whisper-base", int(0.15 * GB), 0.8),
-    ("bge-large-en-v1.5", int(1.34 * GB), 2.5),
-    ("clip-vit-large-patch14", int(1.71 * GB), 3.0),
-    ("stable-diffusion-v1-5", int(2.13 * GB), 4.0),
-    ("whisper-large-v3", int(3.09 * GB), 5.5),
-    ("mistral-7b-instruct-q4_k_m", int(4.37 * GB), 7.0),
-    ("llama-3-8b-instruct-q4_k_m", int(4.92 * GB), 8.0),
-    ("stable-diffusion-xl-base-1.0", int(6.94 * GB), 12.0),
-    ("phi-3-medium-q4_k_m", int(7.96 * GB), 13.0),
-    ("llama-3-8b-instruct-fp16", int(16.06 * GB), 25.0),
-    ("llama-3-70b-instruct-q4_k_m", int(42.52 * GB), 90.0),
-)
 BUDGETS = (48 * GiB, 64 * GiB, 80 * GiB)
 POLICIES = ("lru", "fifo", "gdsf", "cost")
 GAP = 120.0  # seconds between requests: longer than the slowest load
@@ -75,8 +60,10 @@ def _request(number: int, model: tuple[str, int, float]) -> Request:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5, help="workloads per kind (averaged)")
+    parser.add_argument("--no-bound", action="store_true", help="skip the offline optimum")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    names = [*POLICIES] if args.no_bound else [*POLICIES, "optimum"]
     rows: list[dict[str, Any]] = []
     for kind, make in (("zipf", zipf_workload), ("recency", recency_workload)):
         traces = [make(seed) for seed in range(args.seeds)]
@@ -87,6 +74,10 @@ def main() -> int:
                 )
                 for policy in POLICIES
             }
+            if not args.no_bound:
+                totals["optimum"] = statistics.mean(
+                    offline_bound(trace, {"default": budget}).reload_seconds for trace in traces
+                )
             for policy, seconds in totals.items():
                 rows.append(
                     {
@@ -102,7 +93,7 @@ def main() -> int:
         print()
         return 0
     print(f"total reload seconds, mean of {args.seeds} workloads of 2,000 requests each")
-    print(f"{'workload':<9} {'budget':>8} " + " ".join(f"{p:>14}" for p in POLICIES))
+    print(f"{'workload':<9} {'budget':>8} " + " ".join(f"{p:>14}" for p in names))
     for kind in ("zipf", "recency"):
         for budget in BUDGETS:
             cells = [r for r in rows if r["workload"] == kind and r["budget_gib"] == budget / GiB]
