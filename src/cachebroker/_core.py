@@ -133,6 +133,7 @@ class Entry:
 
     __slots__ = (
         "after",
+        "cache",
         "charge",
         "cost",
         "declared_cost",
@@ -159,6 +160,8 @@ class Entry:
 
     def __init__(self, owner: Owner, key: Hashable, need: dict[str, int]) -> None:
         self.owner = owner
+        #: The name of the cache that owns this entry.
+        self.cache: str = owner.name
         self.key = key
         self.need = need
         self.charge: dict[str, int] = {}
@@ -191,11 +194,6 @@ class Entry:
         self.successor: Entry | None = None
         #: Slot for the async shell (events, cancel scopes); the core never reads it.
         self.shell: Any = None
-
-    @property
-    def cache(self) -> str:
-        """The name of the cache that owns this entry."""
-        return self.owner.name
 
     @property
     def idle(self) -> bool:
