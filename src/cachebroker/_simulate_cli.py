@@ -53,7 +53,7 @@ def add_parser(commands: Any) -> None:
         metavar="BUDGETS",
         help="budgets to compare: '16GiB,24GiB,32GiB' (each in the trace's one space) or "
         "'ram=16GiB,cuda:0=24GiB' (one budget of several spaces); repeat for more. "
-        f"Default for the built-in workload: {','.join(format_bytes(b) for b in BUDGETS)}",
+        f"Default for the built-in workload: {','.join(f'{b // 2**30}GiB' for b in BUDGETS)}",
     )
     parser.add_argument(
         "--policy",
@@ -62,7 +62,10 @@ def add_parser(commands: Any) -> None:
         help=f"policies to compare, comma-separated (default: {','.join(POLICIES)})",
     )
     parser.add_argument(
-        "--idle-ttl", type=float, metavar="SECONDS", help="release entries idle this long"
+        "--idle-ttl",
+        type=float,
+        metavar="SECONDS",
+        help="release entries idle this long (in the trace's seconds)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
