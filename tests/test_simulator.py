@@ -168,6 +168,7 @@ def test_held_leases_pin_entries_and_make_others_wait() -> None:
     trace = [req(0, "A", load=1, hold=10), req(2, "B", load=1)]
     result = replay(trace, {"default": 10}, "lru")
     assert result.wait_seconds == (0.0, 9.0)
+    assert result.waited == 1
     assert result.mean_wait == 4.5
     assert result.p99_wait == 9.0
     assert result.evictions == 1
@@ -323,6 +324,7 @@ def test_cli_json_output(trace_file: Path, capsys: pytest.CaptureFixture[str]) -
         assert key in first
     assert (first["policy"], first["budget"], first["requests"]) == ("lru", 20, 10)
     assert first["bound_method"] == "exact"
+    assert first["waited_requests"] == 0
     assert all(r["bound_reload_seconds"] <= r["reload_seconds"] for r in results)
 
 
@@ -415,3 +417,17 @@ def test_cli_without_the_sim_extra(
     with pytest.raises(SystemExit):
         main(["simulate", "--trace", str(trace_file), "--budget", "20", "--plot", "x.png"])
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_requests_that_wait_can_come_in_under_the_optimum_and_the_table_says_so() -> None:
+    # Room for one model; each load takes 5 s but requests come every second.
+    # B waits for A's load, and the second A and B join loads in flight: two
+    # loads, where the optimum's model (requests served as they arrive) needs four.
+    trace = [req(0, "A", load=5), req(1, "B", load=5), req(2, "A", load=5), req(3, "B", load=5)]
+    result = replay(trace, {"default": 10}, "lru")
+    assert (result.misses, result.reload_seconds, result.waited) == (2, 10.0, 2)
+    assert offline_bound(trace, {"default": 10}).reload_seconds == 20.0
+    out = io.StringIO()
+    _print_table(simulate(trace, [10], ["lru"]), "t.csv", 4, out)
+    assert "the optimum assumes no request waits for space" in out.getvalue()
+    assert "lru at 10 B" in out.getvalue()

@@ -88,6 +88,11 @@ class ReplayResult:
         return self.hits / self.requests if self.requests else 0.0
 
     @property
+    def waited(self) -> int:
+        """Requests that waited for space (the offline optimum assumes none does)."""
+        return sum(1 for seconds in self.wait_seconds if seconds > 0)
+
+    @property
     def mean_wait(self) -> float:
         """Mean time a request waited for space, in seconds."""
         return math.fsum(self.wait_seconds) / len(self.wait_seconds) if self.wait_seconds else 0.0

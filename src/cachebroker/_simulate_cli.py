@@ -191,6 +191,7 @@ def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
                     "all_loads_seconds": result.all_loads_seconds,
                     "bytes_loaded": result.bytes_loaded,
                     "evictions": result.evictions,
+                    "waited_requests": result.waited,
                     "mean_wait_seconds": result.mean_wait,
                     "p99_wait_seconds": result.p99_wait,
                     "bound_reload_seconds": None if bound is None else bound.reload_seconds,
