@@ -443,6 +443,10 @@ class Broker:
         with contextlib.suppress(ValueError):
             self._listeners.remove(listener)
 
+    def _since(self, start: float) -> float:
+        """Seconds from ``start`` to now, rounded for the events."""
+        return round(max(0.0, self._clock() - start), 6)
+
     def _emit(self, level: str, event: str, **fields: Any) -> None:
         """Log ``event`` at ``level`` and hand it to the listeners."""
         getattr(self._log, level)(event, **fields)
@@ -534,7 +538,7 @@ class Broker:
                         key=subject.key,
                         error=repr(subject.error),
                         timed_out=slot.timed_out,
-                        seconds=round(max(0.0, self._clock() - slot.release_started), 6),
+                        seconds=self._since(slot.release_started),
                         bytes=dict(subject.charge),
                     )
                 elif kind is Effect.OWNER_EMPTY:
@@ -551,7 +555,7 @@ class Broker:
             cache=cache.name,
             key=entry.key,
             bytes=dict(entry.charge),
-            waited=round(max(0.0, self._clock() - slot.queued_at), 6),
+            waited=self._since(slot.queued_at),
         )
         cache._spawn(self._run_load, entry, name=f"cachebroker load {cache.name}:{entry.key!r}")
 
@@ -751,7 +755,7 @@ class Broker:
                 key=entry.key,
                 bytes=dict(entry.charge),
                 late=late,
-                seconds=round(max(0.0, self._clock() - slot.release_started), 6),
+                seconds=self._since(slot.release_started),
             )
         finally:
             self._releasing_tasks.discard(task)
@@ -1097,7 +1101,7 @@ class Cache:
         timeout: float | None,
         cost: float | None = None,
     ) -> tuple[Entry, object]:
-        """Acquire ``key`` the long way (a miss, a join, a trio hit): the entry and its holder."""
+        """Acquire ``key`` when it is not ready (a miss, or a join): the entry and its holder."""
         broker = self._broker
         self._find(key)  # an unhashable key is an InvalidKey
         if self._closed or not broker._running:
