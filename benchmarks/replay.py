@@ -3,8 +3,9 @@
 Replays the built-in workload of ``cachebroker simulate`` (2,000 requests over
 12 real checkpoints) at each of its budgets under each built-in policy, after
 one warm-up pass; the figure is the median over rounds of requests replayed
-per second. Then solves the offline optimum (the MILP) once per budget and
-prints the solve time and the method reached.
+per second, and "sweep" the rate over all five budgets one after another.
+Then solves the offline optimum (the MILP) once per budget and prints the
+solve time and the method reached.
 
     python benchmarks/replay.py [--rounds 7] [--no-bound] [--json]
 """
@@ -66,10 +67,12 @@ def main() -> int:
         print()
         return 0
     print(f"replay of the built-in workload ({len(requests):,} requests), requests/s, median")
-    print(f"{'policy':<7}" + "".join(f"{format_bytes(b['default']):>11}" for b in budgets))
+    header = "".join(f"{format_bytes(b['default']):>11}" for b in budgets)
+    print(f"{'policy':<7}{header}{'sweep':>11}")
     for policy in POLICIES:
         rates = [f["requests_per_second"] for f in figures if f.get("policy") == policy]
-        print(f"{policy:<7}" + "".join(f"{rate:>11,.0f}" for rate in rates))
+        sweep = len(rates) / sum(1 / rate for rate in rates)  # all budgets, one after another
+        print(f"{policy:<7}" + "".join(f"{rate:>11,.0f}" for rate in rates) + f"{sweep:>11,.0f}")
     if not args.no_bound:
         print("offline optimum (MILP, HiGHS):")
         for f in figures:
