@@ -455,6 +455,20 @@ async def test_size_callable_measures_loaded_value() -> None:
             assert (await broker.stats()).used == {"default": 300}
 
 
+@pytest.mark.parametrize("policy", ["lru", "fifo", "gdsf", "cost"])
+async def test_a_measured_entry_is_a_victim_like_any_other(policy: str) -> None:
+    # The policy learns of the entry with its measured size, not the empty
+    # declared one: otherwise FIFO and the ranked policies never evict it.
+    plugin = Recorder()
+    async with Broker(budget=15, policy=policy) as broker, broker.cache("p", plugin) as cache:
+        async with cache.acquire("measured", load=loader(b"x" * 10), size=len):
+            pass
+        with anyio.fail_after(5):
+            async with cache.acquire("declared", load=loader(1), size=10):
+                pass
+        assert plugin.released == ["measured"]
+
+
 async def test_invalid_size_callable_result_fails_acquire_and_frees_value() -> None:
     plugin = Recorder()
     async with Broker(budget=1000) as broker, broker.cache("p", plugin) as cache:

@@ -502,12 +502,12 @@ class Core:
         entry.cost = seconds if entry.declared_cost is None else entry.declared_cost
         self.loads += 1
         self.load_seconds += seconds
-        if self._admit is not None:
-            self._admit(entry)
         recharged = False
         if measured is not None and measured != entry.charge:
             self._recharge(entry, measured)
             recharged = True
+        if self._admit is not None:
+            self._admit(entry)  # with its measured charge: policies index entries by space
         rejected = error if error is not None else self._oversize(entry)
         owner = entry.owner
         if entry.doomed is None and owner.entries.get(entry.key) is not entry:
