@@ -207,7 +207,7 @@ def test_optimum_weighs_cost_and_size() -> None:
     # 102 s of cold loads + 2 x 1 s. Evicting big instead would cost 100 s.
     keys = ["big", "s1", "s2", "big", "s1", "s2", "big"]
     trace = [
-        req(i * 10.0, key, size=20 if key == "big" else 10, load=100 if key == "big" else 1)
+        req(i * 200.0, key, size=20 if key == "big" else 10, load=100 if key == "big" else 1)
         for i, key in enumerate(keys)
     ]
     bound = offline_bound(trace, {"default": 30})
@@ -420,14 +420,43 @@ def test_cli_without_the_sim_extra(
 
 
 def test_requests_that_wait_can_come_in_under_the_optimum_and_the_table_says_so() -> None:
-    # Room for one model; each load takes 5 s but requests come every second.
-    # B waits for A's load, and the second A and B join loads in flight: two
-    # loads, where the optimum's model (requests served as they arrive) needs four.
-    trace = [req(0, "A", load=5), req(1, "B", load=5), req(2, "A", load=5), req(3, "B", load=5)]
-    result = replay(trace, {"default": 10}, "lru")
-    assert (result.misses, result.reload_seconds, result.waited) == (2, 10.0, 2)
-    assert offline_bound(trace, {"default": 10}).reload_seconds == 20.0
+    # A is held 10 s per request; C needs all 20 bytes, so it waits until A's
+    # leases end at 15, and the second C joins it there: two loads. The model
+    # serves requests as they arrive, so C evicts A at 2 and A evicts C at 5.
+    trace = [
+        req(0, "A", size=10, load=1, hold=10),
+        req(2, "C", size=20, load=1),
+        req(5, "A", size=10, load=1, hold=10),
+        req(6, "C", size=20, load=1),
+    ]
+    result = replay(trace, {"default": 20}, "lru")
+    assert (result.misses, result.reload_seconds, result.waited) == (2, 2.0, 2)
+    assert offline_bound(trace, {"default": 20}).reload_seconds == 4.0
     out = io.StringIO()
-    _print_table(simulate(trace, [10], ["lru"]), "t.csv", 4, out)
+    _print_table(simulate(trace, [20], ["lru"]), "t.csv", 4, out)
     assert "the optimum assumes no request waits for space" in out.getvalue()
-    assert "lru at 10 B" in out.getvalue()
+    assert "lru at 20 B" in out.getvalue()
+
+
+@settings(deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 5), min_size=1, max_size=40),
+    gaps=st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0, 10.0]), min_size=40, max_size=40),
+    sizes=st.lists(st.integers(1, 40), min_size=6, max_size=6),
+    loads=st.lists(st.floats(0.1, 8), min_size=6, max_size=6),
+    budget=st.integers(40, 100),
+)
+def test_optimum_is_never_above_a_policy_under_which_no_request_waited(
+    keys: list[int], gaps: list[float], sizes: list[int], loads: list[float], budget: int
+) -> None:
+    # Loads overlap requests here (requests for a loading key join it); only
+    # waiting for space is outside the model.
+    trace, now = [], 0.0
+    for key, gap in zip(keys, gaps, strict=False):
+        now += gap
+        trace.append(req(now, f"k{key}", size=sizes[key], load=loads[key]))
+    bound = offline_bound(trace, {"default": budget}).reload_seconds
+    for policy in POLICIES:
+        result = replay(trace, {"default": budget}, policy)
+        if result.waited == 0:
+            assert bound <= result.reload_seconds + 1e-6, policy

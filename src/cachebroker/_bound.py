@@ -13,9 +13,12 @@ This is the classic offline caching problem with sizes and costs: loads take
 no time, leases end at once and requests are served in arrival order. It
 ignores ``hold_seconds`` and idle TTLs, which only constrain a policy
 further. In the timed replay a policy can still come in under it when
-requests wait for space: a waiting request lets later hits go first, which
-the model has no room for. When no request waits, it is a true lower bound,
-and the optimum itself when solved as a MILP.
+requests wait for space: a waiting request occupies no memory, lets later
+hits go first and gathers later requests for its key, which the model has
+no room for. When no request waits it is a true lower bound, even where loads
+overlap later requests (a loading key holds its memory, as if kept, and the
+requests joining its load are hits either way), and the optimum itself when
+solved as a MILP.
 
 Traces up to ``exact_limit`` requests are solved as a MILP (HiGHS, through
 scipy); if the solver stops at its time limit, its best proven bound is
