@@ -444,6 +444,8 @@ def _cheapest_cover(
         return []
     best_cost = sum(values[e] for e in best)
     for anchor in sorted(pool, key=weights.__getitem__, reverse=True)[:8]:
+        if anchor is by_density[0] or not weights[anchor]:
+            continue  # greedy([anchor]) would be greedy([]) again
         option = greedy([anchor])
         if option is not None and (cost := sum(values[e] for e in option)) < best_cost:
             best, best_cost = option, cost
