@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 import pytest
-from hypothesis import given, note
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -103,10 +103,15 @@ class PolicyMachine(RuleBasedStateMachine):
     """
 
     policy_name = "lru"
+    #: For the ranked policies: keep heaps above this many entries (None: default).
+    heap_above: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
-        self.h = Harness({"m": BUDGET}, policy=make_policy(self.policy_name), instant=True)
+        policy = make_policy(self.policy_name)
+        if self.heap_above is not None:
+            policy.heap_above = self.heap_above  # type: ignore[attr-defined]
+        self.h = Harness({"m": BUDGET}, policy=policy, instant=True)
         self.ref = Reference()
         self.leases: list[Ticket] = []
         self.model = MODELS.get(self.policy_name)
@@ -166,13 +171,22 @@ class PolicyMachine(RuleBasedStateMachine):
         assert set(self.h.owner.entries) == set(self.ref.resident)
 
 
-def machine_for(name: str) -> type[PolicyMachine]:
-    return type(f"{name.upper()}Machine", (PolicyMachine,), {"policy_name": name})
+def machine_for(name: str, heap_above: int | None = None) -> type[PolicyMachine]:
+    attributes = {"policy_name": name, "heap_above": heap_above}
+    return type(f"{name.upper()}Machine", (PolicyMachine,), attributes)
 
 
 @pytest.mark.parametrize("name", ["lru", "fifo", "gdsf", "cost"])
 def test_eviction_order_matches_reference(name: str) -> None:
     machine_for(name).TestCase().runTest()
+
+
+@pytest.mark.parametrize("heap_above", [0, 3])
+@pytest.mark.parametrize("name", ["gdsf", "cost"])
+def test_ranked_policies_order_the_same_with_heaps(name: str, heap_above: int) -> None:
+    # The default keeps no heap for the few entries these machines make; 0
+    # always keeps them, 3 builds and drops them as entries come and go.
+    machine_for(name, heap_above).TestCase().runTest()
 
 
 def test_cost_policy_prefers_evicting_cheap_reloads() -> None:
@@ -256,3 +270,46 @@ def test_user_policy_built_on_policy_base() -> None:
 @pytest.mark.parametrize("name", ["LRU", "fifo", "Gdsf", "cost"])
 def test_policies_by_name(name: str) -> None:
     assert type(make_policy(name)) in (LRU, FIFO, GDSF, CostAware)
+
+
+@settings(deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 40), min_size=1, max_size=150),
+    sizes=st.lists(st.integers(1, 30), min_size=41, max_size=41),
+    budget=st.integers(30, 200),
+)
+def test_ranked_policies_choose_alike_with_and_without_heaps(
+    keys: list[int], sizes: list[int], budget: int
+) -> None:
+    from cachebroker.simulator import Request, replay
+
+    trace = [
+        Request(time=10.0 * i, key=f"k{k}", size={"m": sizes[k]}, load_seconds=1 + k % 7)
+        for i, k in enumerate(keys)
+    ]
+    for make in (GDSF, CostAware):
+        without, always, switching = make(), make(), make()
+        always.heap_above = 0
+        switching.heap_above = 6
+        results = [
+            replay(trace, {"m": budget}, policy).reload_seconds
+            for policy in (without, always, switching)
+        ]
+        assert results[0] == results[1] == results[2], (make.__name__, results)
+
+
+@pytest.mark.parametrize("heap_above", [None, 0])
+def test_gdsf_breaks_ties_by_ranking_order(heap_above: int | None) -> None:
+    from cachebroker.simulator import Request, replay
+
+    # a, b and c tie (same size, cost and requests; a ranked first): d evicts
+    # a, then a evicts b, so both miss again; had c gone first, both would hit.
+    trace = [
+        Request(time=10.0 * i, key=key, size={"m": 10}, load_seconds=1.0)
+        for i, key in enumerate("abcdab")
+    ]
+    policy = GDSF()
+    if heap_above is not None:
+        policy.heap_above = heap_above
+    result = replay(trace, {"m": 30}, policy)
+    assert (result.misses, result.hits) == (6, 0)

@@ -190,14 +190,25 @@ class _Ranked(PolicyBase):
     """Resident entries in one lazy min-heap per space, keyed by a per-space rank.
 
     ``_rank(entry, size)`` is the priority of ``entry`` when it must free
-    ``size`` bytes of a space (lower goes first). A heap item is stale once the
-    entry was re-ranked or removed; stale items are skipped and compacted.
+    ``size`` bytes of a space (lower goes first); ties go to the entry ranked
+    earlier. A heap item is stale once the entry was re-ranked or removed;
+    stale items are skipped and compacted.
+
+    While ``heap_above`` entries or fewer are resident (the usual model
+    server), no heap is kept: a request costs no push, and a victim search
+    ranks the idle entries on the spot, in the same order the heaps would
+    give. Heaps are built when the entries outgrow that, and dropped when
+    they fall to half of it.
     """
+
+    #: Resident entries up to which no heap is kept.
+    heap_above = 32
 
     def __init__(self) -> None:
         self._heaps: dict[str, list[tuple[float, int, Entry]]] = {}
         self._version: dict[Entry, int] = {}
         self._seq = itertools.count(1)
+        self._heaped = False
 
     def _rank(self, entry: Entry, size: int) -> float:
         raise NotImplementedError
@@ -205,6 +216,10 @@ class _Ranked(PolicyBase):
     def _push(self, entry: Entry) -> None:
         version = next(self._seq)
         self._version[entry] = version
+        if not self._heaped:
+            if len(self._version) > self.heap_above:
+                self._build_heaps()
+            return
         for space, size in entry.charge.items():
             heap = self._heaps.setdefault(space, [])
             heapq.heappush(heap, (self._rank(entry, size), version, entry))
@@ -212,18 +227,46 @@ class _Ranked(PolicyBase):
                 heap[:] = [item for item in heap if self._version.get(item[2]) == item[1]]
                 heapq.heapify(heap)
 
+    def _build_heaps(self) -> None:
+        heaps: dict[str, list[tuple[float, int, Entry]]] = {}
+        for entry, version in self._version.items():
+            for space, size in entry.charge.items():
+                heaps.setdefault(space, []).append((self._rank(entry, size), version, entry))
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        self._heaps = heaps
+        self._heaped = True
+
     def admit(self, entry: Entry) -> None:
         self._push(entry)
 
     def remove(self, entry: Entry) -> None:
         self._version.pop(entry, None)
+        if self._heaped and len(self._version) <= self.heap_above // 2:
+            self._heaps = {}
+            self._heaped = False
 
     def _lowest(self, shortfall: Mapping[str, int]) -> Generator[tuple[float, Entry], None, None]:
         """Idle entries of the short spaces, lowest rank first (each once).
 
         Leased entries met on the way are put back when the iteration ends.
         """
-        heaps = [self._heaps.get(space, []) for space in shortfall if shortfall[space] > 0]
+        short = [space for space in shortfall if shortfall[space] > 0]
+        if not self._heaped:
+            ranked = sorted(
+                (self._rank(entry, entry.charge[space]), version, entry)
+                for entry, version in self._version.items()
+                if entry.idle
+                for space in short
+                if space in entry.charge
+            )
+            seen_once: set[Entry] = set()
+            for rank, _, entry in ranked:
+                if entry not in seen_once:
+                    seen_once.add(entry)
+                    yield rank, entry
+            return
+        heaps = [self._heaps.get(space, []) for space in short]
         set_aside: list[tuple[list[tuple[float, int, Entry]], tuple[float, int, Entry]]] = []
         seen: set[Entry] = set()
         version = self._version
