@@ -460,3 +460,10 @@ def test_optimum_is_never_above_a_policy_under_which_no_request_waited(
         result = replay(trace, {"default": budget}, policy)
         if result.waited == 0:
             assert bound <= result.reload_seconds + 1e-6, policy
+
+
+def test_read_trace_accepts_a_byte_order_mark_and_crlf(tmp_path: Path) -> None:
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbftime,key,size,load_seconds\r\n0,a,1KiB,2\r\n")
+    (request,) = read_trace(path)
+    assert (request.key, request.size, request.load_seconds) == ("a", {"default": 1024}, 2.0)

@@ -52,7 +52,7 @@ def read_trace(path: str | os.PathLike[str]) -> list[Request]:
         TraceError: the file is not a valid trace (the message says where).
         OSError: the file cannot be opened.
     """
-    with open(path, newline="", encoding="utf-8") as file:
+    with open(path, newline="", encoding="utf-8-sig") as file:  # (a BOM is not a column)
         return parse_trace(file, source=os.fspath(path))
 
 
