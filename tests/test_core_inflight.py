@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cachebroker import BrokerClosed, DeadlockError, RequestTooLarge
+from cachebroker import BrokerClosed, DeadlockError, OutOfSpace
 from cachebroker._core import Entry, State, Ticket
 from tests.harness import Harness
 from tests.strategies import KEYS, SPACES, TASKS, charges
@@ -38,7 +38,7 @@ class InFlightMachine(RuleBasedStateMachine):
     def acquire(self, key: str, size: dict[str, int], task: int) -> None:
         try:
             ticket = self.h.acquire(key, {s: n for s, n in size.items() if n}, task=task)
-        except (RequestTooLarge, DeadlockError):
+        except (OutOfSpace, DeadlockError):  # (RequestTooLarge is an OutOfSpace)
             return
         self.tickets.append(ticket)
 

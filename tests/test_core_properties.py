@@ -38,6 +38,9 @@ class Waiter:
         self.key = key
         self.need = need
         self.tasks: list[object] = []
+        #: Its tasks that held a lease in its spaces when they asked: it may
+        #: pass a waiter that cannot be covered (which may wait for that lease).
+        self.holding: list[object] = []
 
 
 class Model:
@@ -77,7 +80,7 @@ class Model:
     def schedule(self) -> None:
         blocked: set[str] = set()
         for waiter in list(self.queue):
-            if blocked & waiter.need.keys():
+            if blocked & waiter.need.keys() and not waiter.holding:
                 blocked |= waiter.need.keys()
                 continue
             short = {s: n - (SPACES[s] - self.used(s)) for s, n in waiter.need.items()}
@@ -142,14 +145,15 @@ class CoreMachine(RuleBasedStateMachine):
             if self._deadlocks(task, waiter.need):
                 expect_error = DeadlockError
             else:
-                waiter.tasks.append(task)
+                self._join(waiter, task)
+                m.schedule()  # a joiner holding a lease may let it pass a blocked waiter
         elif any(n > SPACES[s] for s, n in need.items()):
             expect_error = RequestTooLarge
         elif self._deadlocks(task, need):
             expect_error = DeadlockError
         else:
             waiter = Waiter(key, need)
-            waiter.tasks.append(task)
+            self._join(waiter, task)
             m.queue.append(waiter)
             m.schedule()
         if expect_error is not None:
@@ -158,6 +162,13 @@ class CoreMachine(RuleBasedStateMachine):
             return
         ticket = self.h.acquire(key, need, task=task)
         (self.leases if ticket.outcome is True else self.pending).append(ticket)
+
+    def _join(self, waiter: Waiter, task: object) -> None:
+        waiter.tasks.append(task)
+        if any(
+            task in r.holders and r.charge.keys() & waiter.need.keys() for r in self.model.resident
+        ):
+            waiter.holding.append(task)
 
     def _deadlocks(self, task: object, need: dict[str, int]) -> bool:
         m = self.model
@@ -188,6 +199,8 @@ class CoreMachine(RuleBasedStateMachine):
         m = self.model
         waiter = next(w for w in m.queue if w.key == ticket.entry.key)
         waiter.tasks.remove(ticket.task)
+        if ticket.holds:
+            waiter.holding.remove(ticket.task)
         if not waiter.tasks:
             m.queue.remove(waiter)
             m.schedule()

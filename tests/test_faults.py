@@ -14,6 +14,7 @@ from cachebroker import (
     Cache,
     DeadlockError,
     LeasesOutstanding,
+    OutOfSpace,
 )
 from tests.test_broker import Recorder, loader, wait_until
 
@@ -63,15 +64,18 @@ async def test_release_that_raises_quarantines_keeps_bytes_and_evicts_another(
         assert "device busy" in failed[0]["error"]
 
 
-async def test_forget_writes_off_quarantined_entry_and_unblocks_waiters() -> None:
+async def test_waiter_that_only_forget_could_serve_fails_fast_and_forget_returns_the_bytes() -> None:
     plugin = Faulty(a="raise")
     async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
         await fill(cache, "a", size=100)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(fill, cache, "b")
-            await wait_until(lambda: broker.stats_nowait().quarantined == 1)
-            assert broker.stats_nowait().waiting == 1  # nothing else to evict
-            assert await broker.forget("p", "a") == 1
+        # b waits for a's release; a's release raises: only forget() could make room.
+        with pytest.raises(OutOfSpace, match=r"p:'b' needs .*quarantined.*p:'a'.*forget"):
+            await fill(cache, "b")
+        assert broker.stats_nowait().waiting == 0
+        with pytest.raises(OutOfSpace, match="quarantined"):  # and at once from now on
+            await fill(cache, "b")
+        assert await broker.forget("p", "a") == 1
+        await fill(cache, "b")
         stats = await broker.stats()
         assert (stats.quarantined, stats.used) == (0, {"default": 50})
         assert await broker.forget("p", "a") == 0

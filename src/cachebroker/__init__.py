@@ -21,6 +21,7 @@ from ._errors import LeasesOutstanding as LeasesOutstanding
 from ._errors import OutOfSpace as OutOfSpace
 from ._errors import ReleaseFailed as ReleaseFailed
 from ._errors import RequestTooLarge as RequestTooLarge
+from ._errors import WrongEventLoop as WrongEventLoop
 from ._policy import FIFO as FIFO
 from ._policy import GDSF as GDSF
 from ._policy import LRU as LRU
@@ -61,6 +62,7 @@ __all__ = (
     "Releaser",
     "RequestTooLarge",
     "Stats",
+    "WrongEventLoop",
     "format_bytes",
     "parse_bytes",
 )

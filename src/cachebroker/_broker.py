@@ -23,8 +23,10 @@ import inspect
 import logging
 import math
 import os
+import warnings
 from collections.abc import Awaitable, Callable, Generator, Hashable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
+from threading import get_ident
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar, cast, overload, runtime_checkable
 
@@ -45,6 +47,7 @@ from ._errors import (
     LeasesOutstanding,
     OutOfSpace,
     ReleaseFailed,
+    WrongEventLoop,
 )
 from ._policy import Policy, make_policy
 from ._sizes import parse_budget, parse_bytes, parse_size
@@ -57,6 +60,12 @@ T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 _READY = State.READY
+
+#: The entries whose loader the current task (or thread) runs: a request made
+#: from inside a loader must not wait for a load that waits for that loader.
+_LOADING: contextvars.ContextVar[tuple[Entry, ...]] = contextvars.ContextVar(
+    "cachebroker_loading", default=()
+)
 
 
 @runtime_checkable
@@ -205,6 +214,10 @@ class Broker:
             them (``None`` or 0: do not wait).
         probe_interval: Seconds between re-reads of probed spaces on the
             broker's timer (they are also re-read before every miss).
+        sizes: Measured sizes to start from, as ``export_sizes()`` returned
+            them from a previous broker: ``{cache: {key: size}}``, each size
+            as for ``acquire(size=...)``. A load sized by measurement reserves
+            its key's remembered size.
 
     .. versionadded:: 0.1.0
     """
@@ -222,6 +235,7 @@ class Broker:
         oom_retries: int = 8,
         aliases: Iterable[Iterable[str]] = (),
         alias_threshold: int = 3,
+        sizes: Mapping[str, Mapping[Any, Any]] | None = None,
         memory_wait: float | None = 5.0,
         probe_interval: float = 1.0,
     ) -> None:
@@ -248,6 +262,8 @@ class Broker:
         if alias_threshold < 1:
             raise InvalidArgument(f"alias_threshold must be at least 1, got {alias_threshold}")
         self._alias_threshold = alias_threshold
+        for cache_name, key, charge in _remembered_sizes(sizes, spaces):
+            self._core.remember(cache_name, key, charge)
         for group in _alias_groups(aliases, spaces):
             for name in group[1:]:
                 self._core.merge_spaces(group[0], name)
@@ -260,6 +276,10 @@ class Broker:
         self._tg: anyio.abc.TaskGroup | None = None
         self._running = False
         self._current_task: Callable[[], object] = _unstarted_task
+        #: The thread whose event loop runs the broker, and a thread-safe way
+        #: to have that loop call a function soon.
+        self._thread = -1
+        self._call_soon: Callable[..., object] = _unstarted_task
         self._checkpoint: Callable[[], Awaitable[None]] | None = None
         # Whether debug events (hit, miss, wait, grant) are emitted at all: the hit
         # path skips building the event when the logger would drop it.
@@ -311,6 +331,8 @@ class Broker:
             raise RuntimeError("a Broker can be entered only once")
         backend = _running_backend()
         self._current_task = _current_task_getter(backend)
+        self._thread = get_ident()
+        self._call_soon = _call_soon_threadsafe(backend)
         if backend == "trio":
             import trio
 
@@ -468,6 +490,20 @@ class Broker:
         await anyio.lowlevel.checkpoint()
         return self.stats_nowait()
 
+    def export_sizes(self) -> dict[str, dict[Hashable, dict[str, int]]]:
+        """The measured size of every key measured so far: ``{cache: {key: {space: bytes}}}``.
+
+        Sizes are remembered across evictions (and closed caches), so a load
+        sized by measurement reserves what its key weighed last time. Save
+        them (with string keys they are plain JSON) and give them to the next
+        broker as ``Broker(..., sizes=...)``. A plain method: it may be called
+        after the broker's block has ended.
+        """
+        exported: dict[str, dict[Hashable, dict[str, int]]] = {}
+        for (cache_name, key), charge in self._core.sizes.items():
+            exported.setdefault(cache_name, {})[key] = dict(charge)
+        return exported
+
     def stats_nowait(self) -> Stats:
         """The same snapshot as ``stats()``, for synchronous callers (metrics exporters)."""
         core = self._core
@@ -511,6 +547,34 @@ class Broker:
             raise BrokerClosed(
                 "the broker is not running; use it inside 'async with Broker(...) as broker'"
             )
+        if get_ident() != self._thread:
+            raise self._wrong_thread("used")
+
+    def _wrong_thread(self, what: str) -> WrongEventLoop:
+        return WrongEventLoop(
+            f"this broker runs on the event loop of another thread and was {what} from "
+            "this one: its books are not thread-safe; call into it on its own loop, e.g. "
+            "with anyio.from_thread.run() or asyncio.run_coroutine_threadsafe()"
+        )
+
+    def _end_lease(self, entry: Entry, task: object) -> None:
+        """End a lease on the broker's loop (called soon, from any thread)."""
+        self._core.lease_end(entry, task, self._clock())
+        self._apply()
+        if not entry.leases:
+            self._note_idle(entry)
+
+    def _lease_dropped(self, entry: Entry, task: object, key: Hashable) -> None:
+        """A held lease was garbage-collected: end it on the broker's loop, and warn."""
+        with contextlib.suppress(Exception):  # the loop is gone: so are the books' users
+            self._call_soon(self._end_lease, entry, task)
+        warnings.warn(
+            f"a lease on {entry.cache}:{key!r} was garbage-collected while held; it was "
+            "ended for you, but end leases with 'async with cache.acquire(...)' or "
+            "'await lease.release()'",
+            ResourceWarning,
+            stacklevel=2,
+        )
 
     def _apply(self) -> None:
         """Perform the effects queued by the core's last steps (never awaits)."""
@@ -560,6 +624,7 @@ class Broker:
         cache._spawn(self._run_load, entry, name=f"cachebroker load {cache.name}:{entry.key!r}")
 
     async def _run_load(self, entry: Entry) -> None:
+        _LOADING.set((*_LOADING.get(), entry))  # (this task's own context)
         slot: _Slot = entry.shell
         core = self._core
         cache_name = entry.owner.name
@@ -890,6 +955,11 @@ class _CacheBlock:
         try:
             with anyio.CancelScope(shield=True):
                 outstanding = await cache._shut(BrokerClosed(f"cache {cache.name!r} was closed"))
+                if outstanding:
+                    # Nobody is left to release them: they stay charged, visible
+                    # and forgettable (quarantined); their holders keep the values.
+                    self._broker._core.abandon(cache._owner)
+                    self._broker._apply()
         finally:
             cache._closed = True
             cache._tg.cancel_scope.cancel()
@@ -965,6 +1035,7 @@ class Cache:
         *,
         load: Callable[[], Awaitable[T]],
         size: SizeSpec = None,
+        measure: Callable[[T], Any] | None = None,
         timeout: float | None = None,
         cost: float | None = None,
         idle_ttl: float | None = None,
@@ -978,6 +1049,7 @@ class Cache:
         *,
         load: Callable[[], T],
         size: SizeSpec = None,
+        measure: Callable[[T], Any] | None = None,
         timeout: float | None = None,
         cost: float | None = None,
         idle_ttl: float | None = None,
@@ -990,6 +1062,7 @@ class Cache:
         *,
         load: Callable[[], Any],
         size: SizeSpec = None,
+        measure: Callable[[Any], Any] | None = None,
         timeout: float | None = None,
         cost: float | None = None,
         idle_ttl: float | None = None,
@@ -1007,10 +1080,19 @@ class Cache:
                 worker thread (an awaitable it returns, as from
                 ``lambda: load_model(name)``, is then awaited in the task
                 group). Concurrent acquires of one key share one load.
-            size: What the value weighs: bytes or ``"3GiB"`` in the default
-                space, a mapping of space to bytes, or a callable taking the
-                loaded value and returning either (measured after the load,
-                correcting the books). Space is reserved before ``load`` runs.
+            size: What admission reserves before ``load`` runs: bytes or
+                ``"3GiB"`` in the default space, or a mapping of space to
+                either. A callable here means ``measure=`` with no declared
+                size.
+            measure: Called with the loaded value, returns its real size (as
+                for ``size``); the books are corrected to it (evicting more if
+                it is larger) and it is remembered for the key, across
+                evictions (``Broker.export_sizes``). Without ``size``, a load
+                reserves the key's remembered size; a key never measured is a
+                load of unknown size: such loads run one at a time, each
+                reserving the largest size its cache has measured in each
+                space, so together they never overshoot the budget by more
+                than one load's error, which its measurement corrects.
             timeout: Seconds to wait for space and for the load; ``None`` waits
                 as long as it takes. On expiry ``AcquireTimeout`` is raised.
             cost: What reloading the value costs, in seconds, for cost-aware
@@ -1034,16 +1116,23 @@ class Cache:
         reservation returned) when the last one leaves. On trio a cache hit is a
         cancellation point; on asyncio a hit completes without suspending.
         """
-        if cost is None and idle_ttl is None and pin is False:  # The hit path's usual call.
-            return Lease(self, key, load, size, timeout)
+        if cost is None and idle_ttl is None and pin is False and measure is None:
+            return Lease(self, key, load, size, timeout)  # The hit path's usual call.
         if cost is not None:
             cost = _non_negative_seconds(cost, "cost")
         if idle_ttl is not None:
             idle_ttl = _non_negative_seconds(idle_ttl, "idle_ttl", allow_inf=True)
         if not isinstance(pin, bool):
             raise TypeError(f"pin must be True or False, got {pin!r}")
+        if measure is not None and not callable(measure):
+            raise TypeError(f"measure must be a callable taking the loaded value, got {measure!r}")
+        if measure is not None and callable(size):
+            raise TypeError(
+                "give the measurement once: either size=callable or measure=callable, not both"
+            )
         tuned: _Tuned[Any] = _Tuned(self, key, load, size, timeout)
         tuned._cost = cost
+        tuned._measure = measure
         tuned._options = None if idle_ttl is None and not pin else (idle_ttl, pin)
         return tuned
 
@@ -1058,6 +1147,7 @@ class Cache:
         broker = self._broker
         if self._closed:
             raise BrokerClosed(f"cache {self.name!r} is closed")
+        broker._check_running()
         entry = self._find(key)
         dropped = broker._core.invalidate(self._owner, key)
         broker._apply()
@@ -1076,6 +1166,7 @@ class Cache:
         broker = self._broker
         if self._closed:
             raise BrokerClosed(f"cache {self.name!r} is closed")
+        broker._check_running()
         self._find(key)
         unpinned = broker._core.unpin(self._owner, key, broker._clock())
         broker._apply()
@@ -1100,6 +1191,7 @@ class Cache:
         size: SizeSpec,
         timeout: float | None,
         cost: float | None = None,
+        measure: Callable[[Any], Any] | None = None,
     ) -> tuple[Entry, object]:
         """Acquire ``key`` when it is not ready (a miss, or a join): the entry and its holder."""
         broker = self._broker
@@ -1110,13 +1202,14 @@ class Cache:
             raise TypeError(f"load must be a callable taking no argument, got {load!r}")
         if timeout is not None:
             timeout = _positive_seconds(timeout, "timeout")
-        measure = size if callable(size) else None
-        need = {} if measure is not None else parse_size(size, broker._budget)
+        if callable(size):
+            measure, size = size, None
+        need = None if size is None and measure is not None else parse_size(size, broker._budget)
         task = broker._current_task()
         core = broker._core
         if broker._probes:
             broker._refresh_probes()
-        ticket = core.request(self._owner, key, need, task, cost=cost)
+        ticket = core.request(self._owner, key, need, task, cost=cost, loading=_LOADING.get())
         entry = ticket.entry
         if entry.state is State.WAITING and task in broker._releasing_tasks:
             core.leave(ticket)
@@ -1211,6 +1304,7 @@ class Lease(Generic[T_co]):
     # The hit path builds one lease per call: the options most calls leave at
     # their defaults are read from the class (``_Tuned`` carries them).
     _cost: float | None = None
+    _measure: Callable[[Any], Any] | None = None
     _options: tuple[float | None, bool] | None = None
 
     def __init__(
@@ -1247,6 +1341,8 @@ class Lease(Generic[T_co]):
         cache = self._cache
         broker = cache._broker
         try:
+            if get_ident() != broker._thread:
+                raise broker._wrong_thread(f"asked for {cache.name}:{self.key!r}")
             checkpoint = broker._checkpoint
             if checkpoint is not None:  # trio: every acquire is a cancellation point
                 yield from checkpoint().__await__()
@@ -1261,7 +1357,7 @@ class Lease(Generic[T_co]):
                     broker._log.debug(ev.HIT, cache=cache.name, key=self.key)
             else:
                 slow = cache._acquire_slow(
-                    self.key, self._load, self._size, self._timeout, self._cost
+                    self.key, self._load, self._size, self._timeout, self._cost, self._measure
                 )
                 entry, task = yield from slow.__await__()
         except BaseException:
@@ -1331,6 +1427,9 @@ class Lease(Generic[T_co]):
         task = self._task
         self._task = _RELEASED
         broker = self._cache._broker
+        if get_ident() != broker._thread:  # Ended from another thread: end it on the loop.
+            broker._call_soon(broker._end_lease, entry, task)
+            return _DONE
         core = broker._core
         # When the entry went idle only matters to an idle TTL: skip the clock otherwise.
         timed = entry.ttl is not None or broker._idle_ttl is not None
@@ -1341,6 +1440,13 @@ class Lease(Generic[T_co]):
             broker._note_idle(entry)
         return _DONE
 
+    def __del__(self) -> None:
+        # A lease garbage-collected while held (its task died, or it was
+        # dropped): end it, or its bytes would stay pinned for good.
+        entry = self._entry
+        if entry is not None:
+            self._cache._broker._lease_dropped(entry, self._task, self.key)
+
     def __repr__(self) -> str:
         if self._entry is not None:
             state = "held"
@@ -1350,9 +1456,9 @@ class Lease(Generic[T_co]):
 
 
 class _Tuned(Lease[T_co]):
-    """A ``Lease`` whose acquire was given ``cost``, ``idle_ttl`` or ``pin``."""
+    """A ``Lease`` whose acquire was given ``cost``, ``measure``, ``idle_ttl`` or ``pin``."""
 
-    __slots__ = ("_cost", "_options")
+    __slots__ = ("_cost", "_measure", "_options")
 
 
 class _Marker:
@@ -1447,6 +1553,30 @@ def _split_probes(budget: Any) -> tuple[Any, dict[str, Probe]]:
     return fixed, probes
 
 
+def _remembered_sizes(
+    sizes: Mapping[str, Mapping[Any, Any]] | None, spaces: Mapping[str, int]
+) -> list[tuple[str, Hashable, dict[str, int]]]:
+    """Check ``Broker(sizes=...)``: ``{cache: {key: size}}`` as ``export_sizes()`` returns it."""
+    if sizes is None:
+        return []
+    if not isinstance(sizes, Mapping):
+        raise TypeError(f"sizes must be a mapping {{cache: {{key: size}}}}, got {sizes!r}")
+    remembered = []
+    for cache_name, keys in sizes.items():
+        if not isinstance(cache_name, str) or not isinstance(keys, Mapping):
+            raise TypeError(
+                "sizes must map each cache name (a string) to a mapping {key: size}, "
+                f"got {cache_name!r}: {keys!r}"
+            )
+        for key, size in keys.items():
+            try:
+                charge = parse_size(size, spaces)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"sizes[{cache_name!r}][{key!r}]: {exc}") from None
+            remembered.append((cache_name, key, charge))
+    return remembered
+
+
 def _alias_groups(groups: Iterable[Iterable[str]], spaces: Mapping[str, int]) -> list[list[str]]:
     result = []
     for group in groups:
@@ -1493,6 +1623,17 @@ def _running_backend() -> str:
     except ImportError:  # trio depends on sniffio: without it, only asyncio can run
         return "asyncio"
     return sniffio.current_async_library()
+
+
+def _call_soon_threadsafe(backend: str) -> Callable[..., object]:
+    """A function that has the running loop call ``func(*args)`` soon, from any thread."""
+    if backend == "trio":
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    import asyncio
+
+    return asyncio.get_running_loop().call_soon_threadsafe
 
 
 def _loop_clock(backend: str) -> Callable[[], float]:

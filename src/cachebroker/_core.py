@@ -33,14 +33,29 @@ import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
-from ._errors import BrokerClosed, DeadlockError, InvalidArgument, RequestTooLarge
+from ._errors import (
+    BrokerClosed,
+    DeadlockError,
+    InvalidArgument,
+    OutOfSpace,
+    ReleaseFailed,
+    RequestTooLarge,
+)
 from ._policy import Policy, PolicyBase
+from ._sizes import format_bytes
 
 __all__ = ["Core", "Effect", "Entry", "Owner", "Reason", "Space", "State", "Ticket"]
 
 
 #: The capacity of a space when retention is off: more bytes than any machine has.
 UNBOUNDED = 1 << 80
+
+#: How many requests (hits included) may be served after a request queued for
+#: space before the leased entries it needs stop taking new leases (``_drain``).
+FAIR_REQUESTS = 256
+
+#: How many measured sizes the books remember (the oldest are forgotten first).
+REMEMBERED_SIZES = 100_000
 
 
 class State(enum.Enum):
@@ -82,7 +97,16 @@ class Effect(enum.Enum):
 class Space:
     """One memory budget and its books."""
 
-    __slots__ = ("budget", "capacity", "idle_bytes", "limit", "name", "releasing", "used")
+    __slots__ = (
+        "budget",
+        "capacity",
+        "idle_bytes",
+        "limit",
+        "name",
+        "quarantined",
+        "releasing",
+        "used",
+    )
 
     def __init__(self, name: str, budget: int, *, bounded: bool) -> None:
         self.name = name
@@ -94,9 +118,17 @@ class Space:
         self.used = 0
         self.releasing = 0
         self.idle_bytes = 0
+        #: The part of ``used`` held by quarantined entries: only ``forget()``
+        #: returns it, so a request above ``limit - quarantined`` fails fast.
+        self.quarantined = 0
 
     def fits(self, amount: int) -> bool:
         return self.used + amount <= self.capacity
+
+    @property
+    def attainable(self) -> int:
+        """The most a request may need here without waiting on ``forget()``."""
+        return self.limit - self.quarantined
 
 
 class Owner:
@@ -120,12 +152,17 @@ class Ticket:
     it, or the exception it must raise.
     """
 
-    __slots__ = ("entry", "outcome", "task")
+    __slots__ = ("entry", "holds", "loading", "outcome", "task")
 
-    def __init__(self, entry: Entry, task: object) -> None:
+    def __init__(self, entry: Entry, task: object, loading: tuple[Entry, ...] = ()) -> None:
         self.entry = entry
         self.task = task
         self.outcome: bool | BaseException | None = None
+        #: The entries whose loader made this request (it runs inside their load).
+        self.loading = loading
+        #: Whether ``task`` held a lease in the requested spaces when it asked:
+        #: a waiter blocked on that lease must not block this request in turn.
+        self.holds = False
 
 
 class Entry:
@@ -139,7 +176,9 @@ class Entry:
         "declared_cost",
         "doomed",
         "error",
+        "gated",
         "holders",
+        "holding",
         "idle_seq",
         "idle_since",
         "joiners",
@@ -147,13 +186,16 @@ class Entry:
         "last_request",
         "leases",
         "need",
+        "nested",
         "owner",
         "pinned",
+        "queued_tick",
         "requests",
         "shell",
         "state",
         "successor",
         "ttl",
+        "unknown",
         "value",
         "weights",
     )
@@ -194,6 +236,16 @@ class Entry:
         self.successor: Entry | None = None
         #: Slot for the async shell (events, cancel scopes); the core never reads it.
         self.shell: Any = None
+        #: The request clock when it was queued for space (fairness, see ``_drain``).
+        self.queued_tick = 0
+        #: Joined tickets whose task holds a lease in the requested spaces.
+        self.holding = 0
+        #: Its size is unknown until measured (see ``Core.request``), and it
+        #: waits at the gate that lets one such load run at a time.
+        self.unknown = False
+        self.gated = False
+        #: Tickets that this entry's loader asked for (deadlock detection).
+        self.nested: list[Ticket] = []
 
     @property
     def idle(self) -> bool:
@@ -274,6 +326,17 @@ class Core:
         self.load_seconds = 0.0
         self.evictions: dict[Reason, int] = dict.fromkeys(Reason, 0)
         self.releases_failed = 0
+        #: The measured size of each (cache, key), remembered across evictions:
+        #: what a load sized by measurement reserves next time.
+        self.sizes: dict[tuple[str, Hashable], dict[str, int]] = {}
+        #: Per cache, the largest size measured in each space: what a load of
+        #: unknown size reserves.
+        self._largest: dict[str, dict[str, int]] = {}
+        #: Loads of unknown size waiting for their turn, and the one whose turn it is.
+        self._gate: dict[Entry, None] = {}
+        self._unknown: Entry | None = None
+        #: Queued entries with ``holding`` tickets: they may pass blocked spaces.
+        self._holding_waiters = 0
 
     @property
     def hits(self) -> int:
@@ -365,10 +428,11 @@ class Core:
         self,
         owner: Owner,
         key: Hashable,
-        need: dict[str, int],
+        need: dict[str, int] | None,
         task: object,
         *,
         cost: float | None = None,
+        loading: tuple[Entry, ...] = (),
     ) -> Ticket:
         """Ask for ``key`` on behalf of ``task``; returns a ticket to wait on.
 
@@ -376,15 +440,24 @@ class Core:
         the ticket joins the entry's load, creating the entry (and queueing it
         for space) when there is none to join.
 
+        ``need`` is the declared size; ``None`` means "measured after the
+        load": the key's remembered size is reserved, and a key never measured
+        is a load of unknown size. Those run one at a time (the gate), each
+        reserving the largest size its cache has measured in each space, so
+        unknown loads never overshoot the budget together: at most one load's
+        error is on the books at a time, and its measurement corrects them.
+        ``loading`` names the entries whose loader makes this request.
+
         Raises:
             RequestTooLarge: ``need`` exceeds a space's whole budget.
-            DeadlockError: only evicting ``task``'s own leases could make room.
+            OutOfSpace: ``need`` fits the budget only once quarantined
+                entries are written off (``forget``).
+            DeadlockError: only evicting ``task``'s own leases could make
+                room, or the request waits for a load that waits for it.
             BrokerClosed: the owner is closing.
         """
         if owner.closing:
             raise BrokerClosed(f"cache {owner.name!r} is closed")
-        if self.canon:
-            need = self._canonical(need)
         entry = owner.entries.get(key)
         if entry is not None and entry.state is State.RELEASING:
             entry = entry.successor
@@ -394,27 +467,74 @@ class Core:
             ticket.outcome = True
             return ticket
         if entry is None:
-            self._check_fit(need)
-            self._check_deadlock(owner, key, need, task)
-            entry = self._create(owner, key, need)
+            unknown = need is None
+            if need is None:
+                remembered = self.sizes.get((owner.name, key))
+                unknown = remembered is None
+                need = {} if remembered is None else dict(remembered)
+            if self.canon:
+                need = self._canonical(need)
+            self._check_fit(owner, key, need)
+            mine = self._leased_by(task, need)
+            self._check_deadlock(owner, key, need, mine)
+            entry = self._create(owner, key, need, unknown=unknown, loading=loading)
             entry.declared_cost = cost
             self._count_request(entry)
         else:
-            if entry.state is State.WAITING:
-                self._check_deadlock(owner, key, entry.need, task)
+            self._check_cycle(owner, key, entry, loading)
+            mine = self._leased_by(task, entry.need) if entry.state is State.WAITING else []
+            self._check_deadlock(owner, key, entry.need, mine)
             self._count_request(entry)
-        ticket = Ticket(entry, task)
+        ticket = Ticket(entry, task, loading)
         entry.joiners.append(ticket)
+        if loading:
+            for outer in loading:
+                outer.nested = [t for t in outer.nested if t.outcome is None]
+                outer.nested.append(ticket)
+        if entry.state is State.WAITING and (
+            mine or any(not outer.need.keys().isdisjoint(entry.need) for outer in loading)
+        ):
+            ticket.holds = True
+            entry.holding += 1
+            if entry.holding == 1 and not entry.gated:
+                self._holding_waiters += 1
         self._schedule()
         return ticket
 
-    def _check_fit(self, need: Mapping[str, int]) -> None:
+    def _check_fit(self, owner: Owner, key: Hashable, need: Mapping[str, int]) -> None:
         for name, amount in need.items():
-            space = self.spaces[name]
-            if amount > space.limit:
-                raise RequestTooLarge(name, amount, space.limit)
+            error = self._shortage(owner, key, name, amount)
+            if error is not None:
+                raise error
 
-    def _create(self, owner: Owner, key: Hashable, need: dict[str, int]) -> Entry:
+    def _shortage(
+        self, owner: Owner, key: Hashable, name: str, amount: int
+    ) -> OutOfSpace | None:
+        """The error for ``amount`` bytes in space ``name`` if they can never be granted."""
+        space = self.spaces[name]
+        if amount > space.limit:
+            return RequestTooLarge(name, amount, space.limit, entry=f"{owner.name}:{key!r}")
+        if amount > space.attainable:
+            shown = [
+                f"{e.owner.name}:{e.key!r}" for e in self.quarantined if name in e.charge
+            ][:5]
+            return OutOfSpace(
+                f"{owner.name}:{key!r} needs {format_bytes(amount)} in space {name!r}, but "
+                f"{format_bytes(space.quarantined)} of its {format_bytes(space.limit)} are "
+                f"held by quarantined entries ({', '.join(shown)}): their releases failed, "
+                "so only broker.forget(cache, key) can return that memory"
+            )
+        return None
+
+    def _create(
+        self,
+        owner: Owner,
+        key: Hashable,
+        need: dict[str, int],
+        *,
+        unknown: bool = False,
+        loading: tuple[Entry, ...] = (),
+    ) -> Entry:
         entry = Entry(owner, key, need)
         current = owner.entries.get(key)
         if current is not None and current.state is State.RELEASING:
@@ -423,10 +543,67 @@ class Core:
         else:
             owner.entries[key] = entry
         owner.live.add(entry)
-        self.queue[entry] = None
         self.misses += 1
-        self._admit_weightless(entry)
+        if not unknown:
+            self._enqueue(entry)
+            return entry
+        entry.unknown = True
+        if self._unknown is None:
+            self._unknown = entry
+            self._pass_gate(entry)
+        elif self._unknown in loading:  # Its loader needs it: waiting would be a deadlock.
+            self._pass_gate(entry)
+        else:
+            entry.gated = True
+            self._gate[entry] = None
         return entry
+
+    def _enqueue(self, entry: Entry) -> None:
+        entry.queued_tick = self.tick
+        self.queue[entry] = None
+        self._admit_weightless(entry)
+
+    def _pass_gate(self, entry: Entry) -> None:
+        """Queue a load of unknown size, reserving the largest size its cache has measured."""
+        entry.gated = False
+        largest = self._largest.get(entry.owner.name)
+        if largest:
+            estimate = self._canonical(largest) if self.canon else largest
+            # An estimate is never a reason to refuse: keep it within reach.
+            entry.need = {
+                name: min(amount, self.spaces[name].attainable)
+                for name, amount in estimate.items()
+                if min(amount, self.spaces[name].attainable) > 0
+            }
+        if entry.holding:
+            self._holding_waiters += 1
+        self._enqueue(entry)
+
+    def _open_gate(self, entry: Entry) -> bool:
+        """``entry``'s load of unknown size is over: let the next one through, if any."""
+        if entry is not self._unknown:
+            return False
+        self._unknown = None
+        if not self._gate:
+            return False
+        following = next(iter(self._gate))
+        del self._gate[following]
+        _shrink_if_empty(self._gate)
+        self._unknown = following
+        self._pass_gate(following)
+        return True
+
+    def remember(self, cache: str, key: Hashable, charge: Mapping[str, int]) -> None:
+        """Remember the measured size of ``key`` in ``cache`` (space names as given)."""
+        sizes = self.sizes
+        sizes.pop((cache, key), None)
+        if len(sizes) >= REMEMBERED_SIZES:
+            del sizes[next(iter(sizes))]
+        sizes[cache, key] = dict(charge)
+        largest = self._largest.setdefault(cache, {})
+        for name, amount in charge.items():
+            if amount > largest.get(name, 0):
+                largest[name] = amount
 
     def _admit_weightless(self, entry: Entry) -> None:
         """Grant an entry that weighs nothing as soon as no predecessor holds it back.
@@ -435,14 +612,24 @@ class Core:
         (and the scheduler may stop walking the queue before reaching it).
         """
         if not entry.need and entry.after is None and entry.state is State.WAITING:
-            self._grant(entry)
+            if not entry.gated:
+                self._grant(entry)
+
+    def _leased_by(self, task: object, need: Mapping[str, int]) -> list[Entry]:
+        """The entries ``task`` holds leases on in the spaces of ``need``."""
+        if not self.busy or not need:
+            return []
+        return [
+            entry
+            for entry in self.busy
+            if task in entry.holders and not entry.charge.keys().isdisjoint(need)
+        ]
 
     def _check_deadlock(
-        self, owner: Owner, key: Hashable, need: Mapping[str, int], task: object
+        self, owner: Owner, key: Hashable, need: Mapping[str, int], mine: list[Entry]
     ) -> None:
-        if not self.busy or all(self.spaces[s].fits(n) for s, n in need.items()):
+        if not mine or all(self.spaces[s].fits(n) for s, n in need.items()):
             return
-        mine = [entry for entry in self.busy if task in entry.holders]
         for name, amount in need.items():
             pinned = [e for e in mine if name in e.charge]
             space = self.spaces[name]
@@ -454,6 +641,29 @@ class Core:
                     f"the requesting task itself: {shown}; release them first",
                     shown,
                 )
+
+    def _check_cycle(
+        self, owner: Owner, key: Hashable, entry: Entry, loading: tuple[Entry, ...]
+    ) -> None:
+        """Refuse to join a load that (through loaders' own requests) waits for the requester."""
+        if not loading:
+            return
+        stack, seen = [entry], set()
+        while stack:
+            current = stack.pop()
+            if current in loading:
+                shown = [(e.owner.name, e.key) for e in loading]
+                raise DeadlockError(
+                    f"acquiring {owner.name}:{key!r} from inside the loader of "
+                    f"{', '.join(f'{c}:{k!r}' for c, k in shown)} would wait for that very "
+                    "load; a loader must not acquire its own key (directly or through "
+                    "the loads it waits for)",
+                    shown,
+                )
+            if current in seen:
+                continue
+            seen.add(current)
+            stack.extend(t.entry for t in current.nested if t.outcome is None)
 
     def leave(self, ticket: Ticket) -> None:
         """Withdraw a pending ticket (its task was cancelled or timed out).
@@ -467,6 +677,10 @@ class Core:
         ticket.outcome = BrokerClosed("request withdrawn")
         entry = ticket.entry
         entry.joiners.remove(ticket)
+        if ticket.holds:
+            entry.holding -= 1
+            if not entry.holding and entry in self.queue:
+                self._holding_waiters -= 1
         if entry.joiners:
             return
         if entry.state is State.WAITING:
@@ -500,12 +714,17 @@ class Core:
         entry.value = value
         entry.state = State.READY
         entry.cost = seconds if entry.declared_cost is None else entry.declared_cost
+        entry.nested = []
         self.loads += 1
         self.load_seconds += seconds
         recharged = False
-        if measured is not None and measured != entry.charge:
-            self._recharge(entry, measured)
-            recharged = True
+        if measured is not None:
+            self.remember(entry.owner.name, entry.key, measured)
+            if measured != entry.charge:
+                self._recharge(entry, measured)
+                recharged = True
+        if self._open_gate(entry):
+            recharged = True  # A load of unknown size was let through: schedule it.
         if self._admit is not None:
             self._admit(entry)  # with its measured charge: policies index entries by space
         rejected = error if error is not None else self._oversize(entry)
@@ -539,10 +758,12 @@ class Core:
         """Record a failed or cancelled load: return its reservation, fail its joiners."""
         if not cancelled:
             self.load_failures += 1
+        entry.nested = []
         self._fail_joiners(entry, error)
         self._discharge(entry)
         self._detach(entry)
         self._gone(entry)
+        self._open_gate(entry)
         self._schedule()
 
     def _set_charge(self, entry: Entry, charge: dict[str, int]) -> None:
@@ -568,11 +789,11 @@ class Core:
             if space.used > space.capacity:
                 self._overdrawn.add(name)
 
-    def _oversize(self, entry: Entry) -> RequestTooLarge | None:
+    def _oversize(self, entry: Entry) -> OutOfSpace | None:
         for name, amount in entry.charge.items():
-            space = self.spaces[name]
-            if amount > space.limit:
-                return RequestTooLarge(name, amount, space.limit)
+            error = self._shortage(entry.owner, entry.key, name, amount)
+            if error is not None:
+                return error
         return None
 
     def set_capacity(self, name: str, capacity: int, limit: int | None = None) -> None:
@@ -601,6 +822,11 @@ class Core:
         except ValueError:  # The lease was handed to another task: forget one of the holders.
             holders.pop()
         if entry.leases == 0:
+            if entry.state is not State.READY:
+                # Its cache closed while it was leased: quarantined (or written
+                # off since). Nobody can release it; let the value go.
+                entry.value = None
+                return
             if (
                 self.queue
                 or self._overdrawn
@@ -765,6 +991,7 @@ class Core:
         kept.used += gone.used
         kept.releasing += gone.releasing
         kept.idle_bytes += gone.idle_bytes
+        kept.quarantined += gone.quarantined
         for name, target in list(self.canon.items()):
             if target == other:
                 self.canon[name] = keep
@@ -805,12 +1032,11 @@ class Core:
         if entry.state is State.RELEASING:
             for name, amount in entry.charge.items():
                 self.spaces[name].releasing -= amount
+            self._discharge(entry)
         elif entry.state is State.QUARANTINED:
-            del self.quarantined[entry]
-            _shrink_if_empty(self.quarantined)
+            self._unquarantine(entry)
         else:
             return
-        self._discharge(entry)
         self._hand_over(entry)
         self._gone(entry)
         self._schedule()
@@ -822,20 +1048,53 @@ class Core:
         for name, amount in entry.charge.items():
             self.spaces[name].releasing -= amount
         self.releases_failed += 1
-        entry.error = error
         self._hand_over(entry)
         self._gone(entry)
+        self._quarantine(entry, error)
+        self._schedule()
+
+    def _quarantine(self, entry: Entry, error: BaseException) -> None:
+        """Keep a gone entry's bytes charged: nobody knows whether its memory came back."""
+        entry.error = error
         entry.state = State.QUARANTINED
         self.quarantined[entry] = error
+        for space, amount in entry.weights:
+            space.quarantined += amount
         self.effects.append((Effect.QUARANTINED, entry))
-        self._schedule()
+
+    def _unquarantine(self, entry: Entry) -> None:
+        del self.quarantined[entry]
+        _shrink_if_empty(self.quarantined)
+        for space, amount in entry.weights:
+            space.quarantined -= amount
+        self._discharge(entry)
+
+    def abandon(self, owner: Owner) -> list[Entry]:
+        """The owner's block ended with entries still leased: quarantine them; return them.
+
+        Nobody is left to release them, so their bytes stay charged until
+        ``forget``; their holders keep the values until their leases end.
+        """
+        abandoned = [entry for entry in owner.live if entry.leases]
+        for entry in abandoned:
+            del self.busy[entry]
+            self._detach(entry)
+            self._gone(entry)
+            self._quarantine(
+                entry,
+                ReleaseFailed(
+                    f"cache {owner.name!r} was closed while {owner.name}:{entry.key!r} was "
+                    "still leased: nobody is left to release it"
+                ),
+            )
+        if abandoned:
+            self._schedule()
+        return abandoned
 
     def forget(self, entry: Entry) -> None:
         """Write off a quarantined entry: the operator says its memory is free."""
         if entry.state is State.QUARANTINED:
-            del self.quarantined[entry]
-            _shrink_if_empty(self.quarantined)
-            self._discharge(entry)
+            self._unquarantine(entry)
             entry.state = State.GONE
             self._schedule()
 
@@ -929,7 +1188,11 @@ class Core:
         its spaces still waits); one that does not is covered by asking the
         policy for victims, but only when idle entries can cover the whole
         shortfall: releasing values that would not let anyone in is waste.
-        A waiter that cannot be covered blocks its spaces for those behind it.
+        A waiter that cannot be covered blocks its spaces for those behind it,
+        except for requests whose task holds a lease there (or whose loader
+        holds a reservation there): the blocked waiter may be waiting for
+        exactly that lease, so making them wait in turn would be a deadlock.
+        A waiter that can never be granted without ``forget()`` is refused.
         """
         self._settle()
         if self._overdrawn:
@@ -943,20 +1206,26 @@ class Core:
         unfinished: set[str] = set()  # spaces where an earlier waiter is not granted yet
         blocked: set[str] = set()  # spaces where an earlier waiter cannot be covered
         grants: list[Entry] = []
+        refused: list[Entry] = []
         for entry in self.queue:  # Grants are applied after the walk: no copy of the queue.
-            if len(blocked) == every_space:
+            if len(blocked) == every_space and not self._holding_waiters:
                 break  # Nobody further back may be granted or evicted for.
             need = entry.need
             if len(need) == 1:  # The common case, without set and generator machinery.
                 ((name, amount),) = need.items()
-                if name in blocked:
-                    continue
                 space = spaces[name]
+                if amount > space.limit - space.quarantined:
+                    refused.append(entry)
+                    continue
+                if name in blocked and not entry.holding:
+                    continue
                 taken = promised.get(name, 0)
                 short = amount - (space.capacity - space.used + space.releasing - taken)
                 # (_evict's own coverage test, first: the usual answer under contention.)
                 if short > 0 and (space.idle_bytes < short or not self._evict({name: short})):
-                    blocked.add(name)
+                    if name not in blocked:
+                        blocked.add(name)
+                        self._drain(entry, {name: short})
                     continue
                 promised[name] = taken + amount
                 extra = granted.get(name, 0)
@@ -970,7 +1239,10 @@ class Core:
                 else:
                     unfinished.add(name)
                 continue
-            if not blocked.isdisjoint(need):
+            if any(amount > spaces[name].attainable for name, amount in need.items()):
+                refused.append(entry)
+                continue
+            if not entry.holding and not blocked.isdisjoint(need):
                 blocked.update(need)
                 continue
             shortfall: dict[str, int] | None = None
@@ -984,7 +1256,10 @@ class Core:
                         shortfall = {}
                     shortfall[name] = short
             if shortfall is not None and not self._evict(shortfall):
+                heads = {name: short for name, short in shortfall.items() if name not in blocked}
                 blocked.update(need)
+                if heads:
+                    self._drain(entry, heads)
                 continue
             grantable = (
                 entry.after is None
@@ -1004,6 +1279,51 @@ class Core:
                 unfinished.update(need)
         for entry in grants:
             self._grant(entry)
+        if refused:
+            for entry in refused:
+                self._refuse(entry)
+            self._schedule()  # What they were not promised may go to those behind them.
+
+    def _refuse(self, entry: Entry) -> None:
+        """Fail a waiter that only ``forget()`` could ever grant (see ``_shortage``)."""
+        error = None
+        for name, amount in entry.need.items():
+            error = error or self._shortage(entry.owner, entry.key, name, amount)
+        assert error is not None, entry
+        self._fail_joiners(entry, error)
+        self._drop_waiting(entry)
+        self._check_empty(entry.owner)
+
+    def _drain(self, waiter: Entry, shortfall: Mapping[str, int]) -> None:
+        """Stop new leases on leased entries that ``waiter`` needs, once it has waited long.
+
+        Hits bypass the queue, so entries that are leased again and again
+        would never all be idle at once for a waiter at the head of a space.
+        Once ``FAIR_REQUESTS`` requests have been served since the waiter was
+        queued, enough leased entries (least recently requested first, never
+        pinned ones) are doomed to cover its shortfall: they give their key up
+        at once (new acquires of it queue behind the waiter) and are released
+        when their last lease ends.
+        """
+        if self.tick - waiter.queued_tick < FAIR_REQUESTS:
+            return
+        for name, short in shortfall.items():
+            coming = self.spaces[name].idle_bytes
+            candidates = []
+            for entry in self.busy:
+                amount = entry.charge.get(name)
+                if not amount or not entry.leases:
+                    continue
+                if entry.doomed is not None:
+                    coming += amount  # released when its last lease ends
+                elif not entry.pinned:
+                    candidates.append(entry)
+            candidates.sort(key=lambda e: e.last_request)
+            for entry in candidates:
+                if coming >= short:
+                    break
+                self._doom(entry, Reason.CAPACITY)
+                coming += entry.charge[name]
 
     def _evict(self, shortfall: dict[str, int], *, partial: bool = False) -> bool:
         """Start releasing victims that cover ``shortfall``; False if impossible."""
@@ -1040,6 +1360,8 @@ class Core:
     def _grant(self, entry: Entry) -> None:
         del self.queue[entry]
         _shrink_if_empty(self.queue)
+        if entry.holding:
+            self._holding_waiters -= 1
         entry.state = State.LOADING
         self._set_charge(entry, entry.need)
         for name, amount in entry.need.items():
@@ -1055,8 +1377,15 @@ class Core:
         self.effects.append((Effect.SETTLED, entry))
 
     def _drop_waiting(self, entry: Entry) -> None:
-        del self.queue[entry]
-        _shrink_if_empty(self.queue)
+        if entry.gated:
+            del self._gate[entry]
+            _shrink_if_empty(self._gate)
+        else:
+            del self.queue[entry]
+            _shrink_if_empty(self.queue)
+            if entry.holding:
+                self._holding_waiters -= 1
+        self._open_gate(entry)
         if entry.after is not None:
             entry.after.successor = None
             entry.after = None
@@ -1100,6 +1429,7 @@ class Core:
         used = dict.fromkeys(self.spaces, 0)
         releasing = dict.fromkeys(self.spaces, 0)
         idle = dict.fromkeys(self.spaces, 0)
+        quarantined = dict.fromkeys(self.spaces, 0)
         for entry in self.entries():
             assert entry.state is not State.GONE, entry
             for name, amount in entry.charge.items():
@@ -1107,15 +1437,19 @@ class Core:
                     used[name] += amount
                 if entry.state is State.RELEASING:
                     releasing[name] += amount
+                if entry.state is State.QUARANTINED:
+                    quarantined[name] += amount
                 if entry.idle_seq:
                     idle[name] += amount
             assert [(s.name, n) for s, n in entry.weights] == [
                 (self.spaces[name].name, n) for name, n in entry.charge.items()
             ], entry
             if entry.state is State.WAITING:
-                assert entry in self.queue, entry
+                assert (entry in self.queue) is not entry.gated, entry
+                assert not entry.gated or (entry in self._gate and not entry.need), entry
                 assert not entry.charge, entry
                 assert entry.joiners, f"{entry!r} waits for space on behalf of nobody"
+                assert entry.holding == sum(t.holds for t in entry.joiners), entry
             if entry.state is State.READY and not entry.leases and entry.doomed is None:
                 # Exactly one of: a candidate, pinned, or idle once the books settle.
                 states = (bool(entry.idle_seq), entry.pinned, entry in self._settling)
@@ -1123,16 +1457,25 @@ class Core:
             elif entry in self._settling:
                 raise AssertionError(f"{entry!r} is settling but not an idle-to-be entry")
             if entry.leases:
-                assert entry.state is State.READY and not entry.idle_seq, entry
+                assert entry.state in (State.READY, State.QUARANTINED), entry
+                assert not entry.idle_seq, entry
                 assert len(entry.holders) == entry.leases, entry
-                assert entry in self.busy, entry
+                assert (entry in self.busy) is (entry.state is State.READY), entry
         assert self.idle_count == sum(1 for e in self.entries() if e.idle_seq), self.idle_count
         for entry in self.busy:
             assert entry.leases or entry in self._settling, entry
+        assert self._holding_waiters == sum(1 for e in self.queue if e.holding)
+        assert all(entry.gated for entry in self._gate)
+        if self._unknown is not None:
+            assert self._unknown.state in (State.WAITING, State.LOADING), self._unknown
+            assert not self._unknown.gated, self._unknown
+        else:
+            assert not self._gate, "loads of unknown size wait, yet none is running"
         for name in self.canon_names:
             space = self.spaces[name]
             assert space.used == used[name], (name, space.used, used[name])
             assert space.releasing == releasing[name], (name, space.releasing, releasing[name])
             assert space.idle_bytes == idle[name], (name, space.idle_bytes, idle[name])
+            assert space.quarantined == quarantined[name], (name, space.quarantined)
             if name not in self._overdrawn:
                 assert space.used <= space.capacity, (name, space.used, space.capacity)

@@ -20,6 +20,7 @@ __all__ = [
     "ReleaseFailed",
     "RequestTooLarge",
     "AcquireTimeout",
+    "WrongEventLoop",
 ]
 
 
@@ -45,16 +46,19 @@ class OutOfSpace(BrokerError):
 class RequestTooLarge(OutOfSpace, InvalidArgument):
     """A size exceeds the whole budget of a space: no eviction could ever fit it."""
 
-    def __init__(self, space: str, size: int, budget: int) -> None:
+    def __init__(self, space: str, size: int, budget: int, *, entry: str | None = None) -> None:
         from ._sizes import format_bytes
 
+        about = f"{entry} needs " if entry else "size "
         super().__init__(
-            f"size {format_bytes(size)} in space {space!r} exceeds the space's whole "
-            f"budget of {format_bytes(budget)}"
+            f"{about}{format_bytes(size)} in space {space!r}, which exceeds the space's "
+            f"whole budget of {format_bytes(budget)}"
         )
         self.space = space
         self.size = size
         self.budget = budget
+        #: The entry it was about, as ``cache:key`` (``None`` when there was none).
+        self.entry = entry
 
 
 class DeadlockError(BrokerError, RuntimeError):
@@ -90,6 +94,10 @@ class LeasesOutstanding(BrokerError, RuntimeError):
         )
         self.cache = cache
         self.keys = tuple(keys)
+
+
+class WrongEventLoop(BrokerError, RuntimeError):
+    """The broker was used from a thread other than the one whose event loop runs it."""
 
 
 class LeaseReleased(BrokerError, RuntimeError):
