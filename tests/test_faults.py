@@ -64,7 +64,9 @@ async def test_release_that_raises_quarantines_keeps_bytes_and_evicts_another(
         assert "device busy" in failed[0]["error"]
 
 
-async def test_waiter_that_only_forget_could_serve_fails_fast_and_forget_returns_the_bytes() -> None:
+async def test_waiter_that_only_forget_could_serve_fails_fast_and_forget_returns_the_bytes() -> (
+    None
+):
     plugin = Faulty(a="raise")
     async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
         await fill(cache, "a", size=100)

@@ -337,6 +337,8 @@ class Core:
         self._unknown: Entry | None = None
         #: Queued entries with ``holding`` tickets: they may pass blocked spaces.
         self._holding_waiters = 0
+        #: The request clock at which a blocked waiter becomes due for ``_drain``.
+        self._fair_at = math.inf
 
     @property
     def hits(self) -> int:
@@ -507,17 +509,13 @@ class Core:
             if error is not None:
                 raise error
 
-    def _shortage(
-        self, owner: Owner, key: Hashable, name: str, amount: int
-    ) -> OutOfSpace | None:
+    def _shortage(self, owner: Owner, key: Hashable, name: str, amount: int) -> OutOfSpace | None:
         """The error for ``amount`` bytes in space ``name`` if they can never be granted."""
         space = self.spaces[name]
         if amount > space.limit:
             return RequestTooLarge(name, amount, space.limit, entry=f"{owner.name}:{key!r}")
         if amount > space.attainable:
-            shown = [
-                f"{e.owner.name}:{e.key!r}" for e in self.quarantined if name in e.charge
-            ][:5]
+            shown = [f"{e.owner.name}:{e.key!r}" for e in self.quarantined if name in e.charge][:5]
             return OutOfSpace(
                 f"{owner.name}:{key!r} needs {format_bytes(amount)} in space {name!r}, but "
                 f"{format_bytes(space.quarantined)} of its {format_bytes(space.limit)} are "
@@ -841,6 +839,8 @@ class Core:
             else:  # Nobody waits: let it become idle when the books are next read.
                 entry.idle_since = now
                 self._settling[entry] = True
+        elif self.tick >= self._fair_at:  # Still leased, but a waiter has waited long enough.
+            self._schedule()
 
     def _settle(self) -> None:
         """Make the entries whose last lease ended idle, in the order their leases ended."""
@@ -1197,6 +1197,7 @@ class Core:
         self._settle()
         if self._overdrawn:
             self._repay()
+        self._fair_at = math.inf
         if not self.queue:
             return
         spaces = self.spaces
@@ -1305,7 +1306,9 @@ class Core:
         at once (new acquires of it queue behind the waiter) and are released
         when their last lease ends.
         """
-        if self.tick - waiter.queued_tick < FAIR_REQUESTS:
+        due = waiter.queued_tick + FAIR_REQUESTS
+        if self.tick < due:
+            self._fair_at = min(self._fair_at, due)  # checked when a lease ends
             return
         for name, short in shortfall.items():
             coming = self.spaces[name].idle_bytes
