@@ -7,7 +7,11 @@ the same process, on the same loop, in interleaved rounds; the figure per
 contender is the median over rounds of the mean cost per call. Ratios are to a
 cached ``async-lru`` call measured in the same run.
 
-    python benchmarks/hit_path.py [--calls N] [--rounds R] [--json]
+By default nothing configures logging, as in an application that does not; the
+figures must not change with ``--logging structlog`` (structlog filtering at
+WARNING) or ``--logging stdlib`` (``logging.basicConfig(level=WARNING)``).
+
+    python benchmarks/hit_path.py [--calls N] [--rounds R] [--logging L] [--json]
 """
 
 from __future__ import annotations
@@ -143,9 +147,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--logging",
+        choices=["none", "structlog", "stdlib"],
+        default="none",
+        help="logging set up before the run, at WARNING (default: none at all)",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable figures")
     args = parser.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    if args.logging == "structlog":
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    elif args.logging == "stdlib":
+        logging.basicConfig(level=logging.WARNING)
     runs: list[tuple[str, str, dict[str, Any]]] = [("asyncio", "asyncio", {})]
     try:
         import uvloop  # noqa: F401
@@ -171,7 +184,10 @@ def main() -> int:
         json.dump(results, sys.stdout, indent=2)
         print()
         return 0
-    print(f"hit path, median of {args.rounds} rounds x {args.calls} calls (lower is better)")
+    print(
+        f"hit path, median of {args.rounds} rounds x {args.calls} calls (lower is better), "
+        f"logging: {args.logging}"
+    )
     print(f"{'loop':<8} {'contender':<32} {'us/call':>8} {'x async-lru':>12}")
     for row in results:
         ratio = row["ratio_to_async_lru"]

@@ -1,8 +1,9 @@
-"""Stable structlog event names, the broker's log catalogue.
+"""Stable event names, the broker's log catalogue.
 
 Every event is logged by the async shell through one logger named
-``"cachebroker"``; fields always include ``cache`` and ``key`` where an entry
-is concerned. The names are part of the public contract: dashboards and
+``"cachebroker"`` (the standard library's, or structlog's when the application
+configured it; see ``_logging``); fields always include ``cache`` and ``key``
+where an entry is concerned. The names are part of the public contract: dashboards and
 alerts may match on them.
 """
 
