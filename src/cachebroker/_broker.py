@@ -15,9 +15,11 @@ outcomes come back as further core steps.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import copy
+import enum
 import functools
 import inspect
 import logging
@@ -38,11 +40,13 @@ from ._core import Core, Effect, Entry, Owner, Reason, State, Ticket
 from ._errors import (
     AcquireTimeout,
     BrokerClosed,
+    BrokerError,
     DeadlockError,
     InvalidArgument,
     InvalidKey,
     LeaseReleased,
     LeasesOutstanding,
+    LoadFailed,
     OutOfSpace,
     ReleaseFailed,
 )
@@ -118,6 +122,33 @@ class _Slot:
         self.queued_at = now
         self.release_started = now
         self.timed_out = False
+
+
+class _Fault(enum.Enum):
+    """What the plugin's code (a loader, a size callable, a releaser) raised, for the books."""
+
+    #: The broker's own cancellation of the task: the load is cancelled, the release failed.
+    CANCELLED = "cancelled"
+    #: An ordinary failure: an ``Exception``, or a ``CancelledError`` the broker did not cause.
+    FAILED = "failed"
+    #: A process-level event (``KeyboardInterrupt``, ``SystemExit``, any other
+    #: ``BaseException``): booked as a failure, then propagated.
+    FATAL = "fatal"
+
+
+def _classify(exc: BaseException) -> _Fault:
+    """Classify ``exc``, in the ``except`` clause of the task that ran the plugin's code.
+
+    A ``CancelledError`` is the broker's own only when that task really is in
+    a cancelled scope; one raised by a library (a cancelled inner future, an
+    internal timeout on asyncio), or asyncio's on trio, is an ordinary failure.
+    """
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        cancelled = anyio.current_effective_deadline() == -math.inf
+        return _Fault.CANCELLED if cancelled else _Fault.FAILED
+    if isinstance(exc, Exception | asyncio.CancelledError):
+        return _Fault.FAILED
+    return _Fault.FATAL
 
 
 def _is_async_callable(func: object) -> bool:
@@ -573,21 +604,23 @@ class Broker:
             started = self._clock()
             try:
                 value = await self._load_freeing_on_oom(entry, slot)
-            except anyio.get_cancelled_exc_class():
-                self._emit("info", ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
-                core.load_failed(entry, BrokerClosed("the load was cancelled"), cancelled=True)
-                self._apply()
-                raise
-            except Exception as exc:
-                self._emit(
-                    "warning", ev.LOAD_FAILED, cache=cache_name, key=entry.key, error=repr(exc)
-                )
-                core.load_failed(entry, exc)
-                self._apply()
+            except BaseException as exc:
+                if self._load_failed(entry, exc):
+                    raise
                 return
             seconds = max(0.0, self._clock() - started)
-            measured, error = self._measure(entry, slot, value)
+            measured, error, fatal = self._measure(entry, slot, value)
             core.load_done(entry, value, measured, seconds, self._clock(), error=error)
+            if fatal is not None:
+                # No time is left to release the value through its owner: it is
+                # quarantined before its release starts (see _start_release).
+                core.release_failed(
+                    entry,
+                    ReleaseFailed(
+                        f"{cache_name}:{entry.key!r} was not released: "
+                        f"its size callable raised {fatal!r}"
+                    ),
+                )
             if entry.idle_seq:
                 self._note_idle(entry)
             self._emit(
@@ -599,6 +632,31 @@ class Broker:
                 bytes=dict(entry.charge),
             )
             self._apply()
+            if fatal is not None:
+                raise fatal
+
+    def _load_failed(self, entry: Entry, exc: BaseException) -> bool:
+        """Book a load that raised ``exc``; return whether ``exc`` must propagate.
+
+        The broker's own cancellation cancels the load. Anything else fails it
+        for every requester: they get the loader's exception, or, for what is
+        no ordinary error (a ``CancelledError`` not meant for the broker, a
+        process-level ``BaseException``), a ``LoadFailed`` chained to it.
+        """
+        fault = _classify(exc)
+        cache_name = entry.owner.name
+        if fault is _Fault.CANCELLED:
+            self._emit("info", ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
+            self._core.load_failed(entry, BrokerClosed("the load was cancelled"), cancelled=True)
+        else:
+            self._emit("warning", ev.LOAD_FAILED, cache=cache_name, key=entry.key, error=repr(exc))
+            error = exc
+            if not isinstance(exc, Exception):
+                error = LoadFailed(f"loading {cache_name}:{entry.key!r} raised {exc!r}")
+                error.__cause__ = exc
+            self._core.load_failed(entry, error)
+        self._apply()
+        return fault is not _Fault.FAILED
 
     async def _load_freeing_on_oom(self, entry: Entry, slot: _Slot) -> Any:
         """Run the loader; on an out-of-memory error free the next victim and retry.
@@ -680,24 +738,30 @@ class Broker:
 
     def _measure(
         self, entry: Entry, slot: _Slot, value: Any
-    ) -> tuple[dict[str, int] | None, BaseException | None]:
+    ) -> tuple[dict[str, int] | None, BaseException | None, BaseException | None]:
+        """The measured size, else the error for the requesters, and what must propagate."""
         if slot.measure is None:
-            return None, None
+            return None, None, None
         try:
-            return parse_size(slot.measure(value), self._budget), None
-        except Exception as exc:
-            error = InvalidArgument(
-                f"the size callable for {entry.owner.name}:{entry.key!r} failed on the "
-                f"loaded value: {exc}"
-            )
+            return parse_size(slot.measure(value), self._budget), None, None
+        except BaseException as exc:
+            what = f"the size callable for {entry.owner.name}:{entry.key!r}"
+            error: BrokerError
+            if isinstance(exc, Exception):
+                error = InvalidArgument(f"{what} failed on the loaded value: {exc}")
+            else:
+                error = LoadFailed(f"{what} raised {exc!r}")
             error.__cause__ = exc
-            return None, error
+            return None, error, exc if _classify(exc) is _Fault.FATAL else None
 
     def _start_release(self, entry: Entry, reason: Reason) -> None:
         cache = self._caches.get(entry.owner)
         slot: _Slot = entry.shell
         slot.released = anyio.Event()
         slot.release_started = self._clock()
+        if entry.state is State.QUARANTINED:  # given up before it could start (_run_load)
+            slot.released.set()
+            return
         if cache is None or cache._closed:
             # The owner's block is gone: nobody is left to free the value.
             self._core.release_failed(
@@ -737,13 +801,9 @@ class Broker:
             await cache._release(entry.key, entry.value)
             if probed:
                 await self._wait_for_memory(entry, probed)
-        except anyio.get_cancelled_exc_class():
-            core.release_failed(entry, ReleaseFailed("the release was cancelled"))
-            raise
-        except Exception as exc:
-            failure = ReleaseFailed(f"releasing {cache.name}:{entry.key!r} raised {exc!r}")
-            failure.__cause__ = exc
-            core.release_failed(entry, failure)
+        except BaseException as exc:
+            if self._release_failed(entry, exc):
+                raise
         else:
             entry.value = None
             late = entry.state is State.QUARANTINED
@@ -765,6 +825,17 @@ class Broker:
             self._apply()
             assert slot.released is not None
             slot.released.set()
+
+    def _release_failed(self, entry: Entry, exc: BaseException) -> bool:
+        """Book a release that raised ``exc`` (quarantined); return whether it must propagate."""
+        fault = _classify(exc)
+        if fault is _Fault.CANCELLED:
+            failure = ReleaseFailed("the release was cancelled")
+        else:
+            failure = ReleaseFailed(f"releasing {entry.owner.name}:{entry.key!r} raised {exc!r}")
+            failure.__cause__ = exc
+        self._core.release_failed(entry, failure)
+        return fault is not _Fault.FAILED
 
     async def _watch_release(self, entry: Entry, scope: anyio.CancelScope, timeout: float) -> None:
         with scope:

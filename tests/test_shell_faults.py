@@ -1,0 +1,255 @@
+"""Faults of the plugin's code and of the devices, on every backend.
+
+Worker threads that outlive their cache, ``CancelledError`` raised by a
+library rather than by the broker, process-level exceptions (``KeyboardInterrupt``,
+``SystemExit``, ...) and probes whose read fails once: the broker keeps its
+books exact and the application running, or lets the process-level event
+through with the books exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from cachebroker import Broker, BrokerError, Cache, LoadFailed
+from tests.test_broker import Recorder, loader
+
+Events = list[MutableMapping[str, Any]]
+
+
+def logged(events: Events, name: str) -> list[MutableMapping[str, Any]]:
+    return [e for e in events if e["event"] == name]
+
+
+class Sibling:
+    """An unrelated task of the application: it must run to its end."""
+
+    def __init__(self) -> None:
+        self.go = anyio.Event()
+        self.finished = False
+
+    async def __call__(self) -> None:
+        await self.go.wait()
+        self.finished = True
+
+
+# --------------------------------------------- CancelledError that is not the broker's
+
+
+@pytest.mark.anyio
+async def test_foreign_cancelled_error_in_loader_is_a_failed_load() -> None:
+    calls: list[int] = []
+
+    async def load() -> str:
+        calls.append(1)
+        await anyio.lowlevel.checkpoint()
+        if len(calls) == 1:
+            raise asyncio.CancelledError()  # a library's own, not the broker's
+        return "loaded"
+
+    sibling = Sibling()
+    reached_the_end = False
+    async with Broker(budget=100) as broker, anyio.create_task_group() as app:
+        app.start_soon(sibling)
+        async with broker.cache("p", Recorder()) as cache:
+            with pytest.raises(LoadFailed, match=r"loading p:'k' raised CancelledError") as info:
+                await cache.acquire("k", load=load, size=10)
+            assert isinstance(info.value, BrokerError)
+            assert isinstance(info.value.__cause__, asyncio.CancelledError)
+            stats = await broker.stats()  # a checkpoint: the cache body was not cancelled
+            assert (stats.used, stats.load_failures, stats.entries) == ({"default": 0}, 1, 0)
+            async with cache.acquire("k", load=load, size=10) as lease:
+                assert lease.value == "loaded"
+            assert len(calls) == 2  # loaded again
+            broker._core.check()
+            reached_the_end = True
+        sibling.go.set()
+    assert reached_the_end and sibling.finished
+
+
+@pytest.mark.anyio
+async def test_loader_awaiting_a_future_cancelled_elsewhere_fails_only_its_load(
+    anyio_backend_name: str,
+) -> None:
+    if anyio_backend_name != "asyncio":
+        pytest.skip("an asyncio future")
+
+    async def load() -> str:
+        future = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(future.cancel)  # e.g. a client's connection pool
+        result: str = await future
+        return result
+
+    sibling = Sibling()
+    async with Broker(budget=100) as broker, anyio.create_task_group() as app:
+        app.start_soon(sibling)
+        async with broker.cache("p", Recorder()) as cache:
+            with pytest.raises(LoadFailed):
+                await cache.acquire("k", load=load, size=10)
+            await anyio.lowlevel.checkpoint()
+            assert (await broker.stats()).used == {"default": 0}
+        sibling.go.set()
+    assert sibling.finished
+
+
+@pytest.mark.anyio
+async def test_foreign_cancelled_error_in_releaser_is_a_failed_release(events: Events) -> None:
+    async def release(key: str, value: Any) -> None:
+        await anyio.lowlevel.checkpoint()
+        raise asyncio.CancelledError()  # a library's own, not the broker's
+
+    sibling = Sibling()
+    reached_the_end = False
+    async with Broker(budget=100) as broker, anyio.create_task_group() as app:
+        app.start_soon(sibling)
+        async with broker.cache("p", release) as cache:
+            async with cache.acquire("k", load=loader("v"), size=10):
+                pass
+            assert await cache.invalidate("k") is True
+            stats = await broker.stats()
+            assert stats.quarantined_keys == (("p", "k"),)
+            assert (stats.used, stats.releasing) == ({"default": 10}, 0)
+            async with cache.acquire("k", load=loader("again"), size=10) as lease:
+                assert lease.value == "again"
+            reached_the_end = True
+        sibling.go.set()
+    assert reached_the_end and sibling.finished
+    failed = logged(events, "cachebroker.release.failed")
+    assert failed[0]["key"] == "k" and "CancelledError" in failed[0]["error"]
+
+
+# ------------------------------------------------------- process-level exceptions
+
+
+class Meltdown(BaseException):
+    """A process-level exception of the application's own."""
+
+
+PROCESS_LEVEL = [KeyboardInterrupt, SystemExit, GeneratorExit, Meltdown]
+
+
+def run_raising(
+    anyio_backend: tuple[str, dict[str, Any]],
+    main: Callable[[], Awaitable[None]],
+    kind: type[BaseException],
+) -> float:
+    """Run ``main`` in a fresh event loop; check that ``kind`` came out; return the seconds taken.
+
+    A fresh loop, because on asyncio ``KeyboardInterrupt`` and ``SystemExit``
+    raised in any task stop the loop itself. ``kind`` may come out in an
+    exception group.
+    """
+    backend, options = anyio_backend
+    started = time.monotonic()
+    with pytest.raises((kind, BaseExceptionGroup)) as info:
+        anyio.run(main, backend=backend, backend_options=options)
+    assert contains(info.value, kind), info.value
+    return time.monotonic() - started
+
+
+def contains(error: BaseException, kind: type[BaseException]) -> bool:
+    if isinstance(error, kind):
+        return True
+    if isinstance(error, BaseExceptionGroup):
+        return any(contains(inner, kind) for inner in error.exceptions)
+    return False
+
+
+def loop_survives(anyio_backend: tuple[str, dict[str, Any]], kind: type[BaseException]) -> bool:
+    """Whether tasks still run after ``kind`` left one (asyncio stops for these two)."""
+    return anyio_backend[0] == "trio" or kind not in (KeyboardInterrupt, SystemExit)
+
+
+async def request_shielded(cache: Cache, got: list[BaseException], **acquire: Any) -> None:
+    """Acquire ``"k"`` where the cache's teardown cannot cancel it: what does it get?"""
+    with anyio.fail_after(5, shield=True):
+        try:
+            await cache.acquire("k", **acquire)
+        except BrokerError as exc:
+            got.append(exc)
+
+
+@pytest.mark.parametrize("kind", PROCESS_LEVEL)
+@pytest.mark.parametrize("threaded", [False, True], ids=["async", "thread"])
+def test_process_level_exception_from_a_loader_propagates_and_fails_the_load(
+    anyio_backend: tuple[str, dict[str, Any]], kind: type[BaseException], threaded: bool
+) -> None:
+    broker = Broker(budget=100, release_timeout=30)
+    got: list[BaseException] = []
+
+    async def load() -> str:
+        await anyio.lowlevel.checkpoint()
+        raise kind()
+
+    def load_in_thread() -> str:
+        raise kind()
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            async with broker, broker.cache("p", Recorder()) as cache:
+                chosen = load_in_thread if threaded else load
+                await request_shielded(cache, got, load=chosen, size=60)
+
+    elapsed = run_raising(anyio_backend, main, kind)
+    broker._core.check()
+    stats = broker.stats_nowait()
+    assert (stats.used, stats.loading, stats.load_failures) == ({"default": 0}, 0, 1)
+    if loop_survives(anyio_backend, kind):
+        assert isinstance(got[0], LoadFailed) and isinstance(got[0].__cause__, kind)
+    assert elapsed < 15  # a generous bound against the exit waiting release_timeout (30 s)
+
+
+@pytest.mark.parametrize("kind", PROCESS_LEVEL)
+def test_process_level_exception_from_a_size_callable_propagates_and_fails_the_load(
+    anyio_backend: tuple[str, dict[str, Any]], kind: type[BaseException]
+) -> None:
+    broker = Broker(budget=100, release_timeout=30)
+    got: list[BaseException] = []
+
+    def measure(value: object) -> int:
+        raise kind()
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            async with broker, broker.cache("p", Recorder()) as cache:
+                await request_shielded(cache, got, load=loader("v"), size=measure)
+
+    elapsed = run_raising(anyio_backend, main, kind)
+    broker._core.check()
+    stats = broker.stats_nowait()
+    assert (stats.loading, stats.releasing) == (0, 0)
+    assert stats.quarantined_keys == (("p", "k"),)  # nobody has time to release it
+    if loop_survives(anyio_backend, kind):
+        assert isinstance(got[0], LoadFailed) and isinstance(got[0].__cause__, kind)
+    assert elapsed < 15
+
+
+@pytest.mark.parametrize("kind", PROCESS_LEVEL)
+def test_process_level_exception_from_a_releaser_propagates_and_quarantines_the_entry(
+    anyio_backend: tuple[str, dict[str, Any]], kind: type[BaseException]
+) -> None:
+    broker = Broker(budget=100, release_timeout=30)
+
+    async def release(key: str, value: Any) -> None:
+        await anyio.lowlevel.checkpoint()
+        raise kind()
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            async with broker, broker.cache("p", release) as cache:
+                async with cache.acquire("k", load=loader("v"), size=60):
+                    pass  # left idle: released when the cache closes
+
+    elapsed = run_raising(anyio_backend, main, kind)
+    broker._core.check()
+    stats = broker.stats_nowait()
+    assert stats.quarantined_keys == (("p", "k"),)
+    assert (stats.used, stats.releasing) == ({"default": 60}, 0)
+    assert elapsed < 15
