@@ -10,16 +10,19 @@ through with the books exact.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Hashable, Iterator, MutableMapping
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
 
-from cachebroker import Broker, BrokerError, Cache, LoadFailed
-from tests.test_broker import Recorder, loader
+from cachebroker import Broker, BrokerClosed, BrokerError, Cache, LoadFailed
+from cachebroker._core import State
+from tests.harness import Harness
+from tests.test_broker import Recorder, loader, plugin_name, wait_until
 
 Events = list[MutableMapping[str, Any]]
 
@@ -38,6 +41,180 @@ class Sibling:
     async def __call__(self) -> None:
         await self.go.wait()
         self.finished = True
+
+
+# ------------------------------------------------ threads that outlive their cache
+
+
+class BlockedLoader:
+    """A plain loader that blocks its worker thread until ``finish()``.
+
+    It gives up after ``GUARD`` seconds, so that a broker that waits for it
+    (the defect under test) cannot hang the test run.
+    """
+
+    GUARD = 10.0
+
+    def __init__(self, value: Any = "made in a thread") -> None:
+        self.value = value
+        self.error: BaseException | None = None
+        self.started = threading.Event()
+        self.gate = threading.Event()
+        self.returned = threading.Event()
+
+    def __call__(self) -> Any:
+        self.started.set()
+        try:
+            self.gate.wait(self.GUARD)
+            if self.error is not None:
+                raise self.error
+            return self.value
+        finally:
+            self.returned.set()
+
+    def finish(self) -> None:
+        self.gate.set()
+
+
+@pytest.fixture
+def blocked() -> Iterator[BlockedLoader]:
+    """A blocked thread loader, let go (and its thread ended) at teardown."""
+    load = BlockedLoader()
+    try:
+        yield load
+    finally:
+        load.finish()
+        assert load.returned.wait(BlockedLoader.GUARD + 5)
+
+
+class ValueRecorder(Recorder):
+    """A Recorder that also keeps the values it was asked to free."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: list[Any] = []
+
+    async def release(self, key: Hashable, value: Any) -> None:
+        self.values.append(value)
+        await super().release(key, value)
+
+
+async def leave_a_threaded_load_running(cache: Cache, load: BlockedLoader, size: int) -> None:
+    """Request ``"k"`` from ``load`` and withdraw once its thread runs."""
+
+    async def request() -> None:
+        await cache.acquire("k", load=load, size=size)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request)
+        await wait_until(load.started.is_set)
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_threaded_load_running_when_its_cache_closes_is_released_when_it_returns(
+    blocked: BlockedLoader, events: Events
+) -> None:
+    plugin = ValueRecorder()
+    plugin_name.set("whisper")
+    async with Broker(budget=100, release_timeout=0.2) as broker:
+        with anyio.fail_after(5):
+            async with broker.cache("p", plugin) as cache:
+                await leave_a_threaded_load_running(cache, blocked, 60)
+        assert not blocked.returned.is_set()  # the exit did not wait for the thread
+        stats = await broker.stats()
+        assert (stats.entries, stats.releasing, stats.used) == (1, 1, {"default": 60})
+        assert [(e.cache, e.key, e.state) for e in broker._core.entries()] == [
+            ("p", "k", State.RELEASING)
+        ]
+        broker._core.check()
+        blocked.finish()
+        await wait_until(lambda: broker.stats_nowait().used == {"default": 0})
+        assert plugin.values == ["made in a thread"]  # released through the plugin
+        assert plugin.contexts == ["whisper"]  # in the plugin's own context
+        assert broker.stats_nowait().entries == 0
+        broker._core.check()
+    freed = logged(events, "cachebroker.release.freed")
+    assert [(e["key"], e["late"]) for e in freed] == [("k", False)]
+
+
+@pytest.mark.anyio
+async def test_broker_exit_is_bounded_by_a_threaded_load_that_never_returns(
+    blocked: BlockedLoader, events: Events
+) -> None:
+    plugin = Recorder()
+    with anyio.fail_after(5):
+        async with Broker(budget=100, release_timeout=0.2) as broker:
+            async with broker.cache("p", plugin) as cache:
+                await leave_a_threaded_load_running(cache, blocked, 60)
+    assert not blocked.returned.is_set()  # neither exit waited for the thread
+    stats = broker.stats_nowait()
+    assert stats.quarantined_keys == (("p", "k"),)  # nobody is left to release it
+    assert (stats.used, stats.releasing) == ({"default": 60}, 0)
+    assert plugin.released == []
+    broker._core.check()
+    failed = logged(events, "cachebroker.release.failed")
+    assert [e["key"] for e in failed] == ["k"]
+    assert "closed before the threaded load" in failed[0]["error"]
+
+
+@pytest.mark.anyio
+async def test_threaded_load_failing_after_its_cache_closed_gives_its_bytes_back(
+    blocked: BlockedLoader, events: Events
+) -> None:
+    plugin = Recorder()
+    blocked.error = RuntimeError("CUDA error: out of memory")
+    async with Broker(budget=100, release_timeout=0.2) as broker:
+        with anyio.fail_after(5):
+            async with broker.cache("p", plugin) as cache:
+                await leave_a_threaded_load_running(cache, blocked, 60)
+        assert not blocked.returned.is_set()
+        assert broker.stats_nowait().used == {"default": 60}
+        blocked.finish()
+        await wait_until(lambda: broker.stats_nowait().used == {"default": 0})
+        stats = await broker.stats()
+        assert (stats.entries, stats.quarantined) == (0, 0)
+        assert plugin.released == []  # nothing was made: nothing to free
+    failed = logged(events, "cachebroker.load.failed")
+    assert "out of memory" in failed[-1]["error"]
+
+
+@pytest.mark.anyio
+async def test_threaded_load_whose_requesters_left_keeps_its_value() -> None:
+    """Unchanged by abandoning threads on close: only the cache closing gives a thread up."""
+    load = BlockedLoader("kept")
+    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+        with pytest.raises(TimeoutError):
+            await cache.acquire("k", load=load, size=60, timeout=0.05)
+        load.finish()
+        await wait_until(lambda: broker.stats_nowait().ready == 1)
+        async with cache.acquire("k", load=loader("reloaded"), size=60) as lease:
+            assert lease.value == "kept"
+
+
+def test_abandoned_load_stays_charged_and_listed_until_its_release() -> None:
+    """Core: an abandoned load holds its bytes as ``releasing`` but not its owner's close."""
+    h = Harness({"m": 100})
+    other = h.core.open_owner("q")
+    orphan = h.acquire("a", 60).entry
+    h.core.close_owner(h.owner, BrokerClosed("closed"))
+    h.drain()
+    assert h.cancelled == [orphan]
+    h.core.load_abandoned(orphan)
+    h.drain()
+    assert orphan.state is State.RELEASING
+    assert orphan not in h.owner.live and "a" not in h.owner.entries
+    assert list(h.core.entries()) == [orphan]
+    assert (h.used(), h.core.spaces["m"].releasing) == (60, 60)
+    h.core.check()
+    waiter = h.core.request(other, "b", {"m": 80}, "t")
+    h.drain()
+    assert waiter.entry.state is State.WAITING  # its bytes are not free yet
+    h.core.release_done(orphan)
+    h.drain()
+    assert waiter.entry.state is State.LOADING
+    assert orphan not in h.core.orphans
+    h.core.check()
 
 
 # --------------------------------------------- CancelledError that is not the broker's

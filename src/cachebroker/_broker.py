@@ -95,6 +95,7 @@ class _Slot:
     """What the shell keeps on an entry: how to load it and how to wake its waiters."""
 
     __slots__ = (
+        "abandoned",
         "cancelled",
         "done",
         "is_async",
@@ -104,6 +105,7 @@ class _Slot:
         "release_started",
         "released",
         "scope",
+        "thread_wait",
         "timed_out",
     )
 
@@ -117,11 +119,44 @@ class _Slot:
         self.released: anyio.Event | None = None
         self.scope: anyio.CancelScope | None = None
         self.cancelled = False
+        #: The wait for a worker thread (``_load_in_thread``), and whether the
+        #: closing cache gave the load up.
+        self.thread_wait: anyio.CancelScope | None = None
+        self.abandoned = False
         #: When the request that created the entry asked for space, when its
         #: release was requested, and whether that release timed out.
         self.queued_at = now
         self.release_started = now
         self.timed_out = False
+
+
+class _ThreadCall:
+    """A plain loader's run in a worker thread, awaited by a task of the broker."""
+
+    __slots__ = ("done", "error", "load", "lost", "orphaned", "value")
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self.load = load
+        self.value: Any = None
+        self.error: BaseException | None = None
+        #: Set once the broker's task stopped waiting for the thread.
+        self.done = anyio.Event()
+        #: It stopped without the thread's outcome: it was cancelled with the broker.
+        self.lost = False
+        #: The load gave the thread up (its cache closed): the broker's task
+        #: releases what the thread makes.
+        self.orphaned = False
+
+    def run(self) -> None:
+        """The worker thread's function: keep the outcome, whatever it is, for the loop."""
+        try:
+            self.value = self.load()
+        except BaseException as exc:  # raised again where the outcome is taken
+            self.error = exc
+
+
+class _Abandoned(Exception):
+    """The load was given up while its worker thread runs; the books say so already."""
 
 
 class _Fault(enum.Enum):
@@ -367,6 +402,10 @@ class Broker:
         """Close every cache still open (see ``Cache``), then stop the sweeper.
 
         Waiting requests fail with ``BrokerClosed`` and loads are cancelled.
+        Worker threads of plain loaders that the caches gave up while they ran
+        are waited for (bounded by ``release_timeout``) so that what they make
+        is released; those still running then are left to themselves and
+        their entries quarantined.
         Cancellation: the closing of the caches is shielded, so it completes
         (each bounded by ``release_timeout``) even when the block is cancelled.
         """
@@ -376,6 +415,7 @@ class Broker:
             with anyio.CancelScope(shield=True):
                 for cache in list(self._caches.values()):
                     await cache._shut(BrokerClosed("the broker was closed"))
+                await self._await_orphans()
         finally:
             self._running = False
             self._core.closed = True
@@ -560,6 +600,12 @@ class Broker:
                     slot.cancelled = True
                     if slot.scope is not None:
                         slot.scope.cancel()
+                    if subject.owner.closing:
+                        # Its cache closes: stop waiting for a worker thread, which
+                        # cannot be stopped (see _load_in_thread).
+                        slot.abandoned = True
+                        if slot.thread_wait is not None:
+                            slot.thread_wait.cancel()
                 elif kind is Effect.QUARANTINED:
                     slot = subject.shell
                     self._emit(
@@ -604,6 +650,8 @@ class Broker:
             started = self._clock()
             try:
                 value = await self._load_freeing_on_oom(entry, slot)
+            except _Abandoned:
+                return  # booked by _abandon
             except BaseException as exc:
                 if self._load_failed(entry, exc):
                     raise
@@ -671,7 +719,7 @@ class Broker:
                 if slot.is_async:
                     value = await slot.load()
                 else:
-                    value = await self._load_in_thread(slot.load)
+                    value = await self._load_in_thread(entry, slot)
             except self._oom_errors as exc:
                 victims = self._core.free_for_retry(entry) if retries < self._oom_retries else []
                 self._apply()
@@ -720,12 +768,37 @@ class Broker:
             )
         self._apply()
 
-    @staticmethod
-    async def _load_in_thread(load: Callable[[], Any]) -> Any:
-        # A thread cannot be interrupted: let it finish and keep what it made.
-        with anyio.CancelScope(shield=True):
-            # Boxed: trio refuses a thread function whose result is a coroutine.
-            (value,) = await anyio.to_thread.run_sync(lambda: (load(),))
+    async def _load_in_thread(self, entry: Entry, slot: _Slot) -> Any:
+        """Run a plain loader in a worker thread, awaited by a task of the broker.
+
+        A thread cannot be interrupted. Its requesters leaving does not stop the
+        wait: the load keeps what the thread makes (see ``Core.load_done``).
+        Its cache closing does: the load is abandoned so that the cache's exit
+        is not held, and the broker's task releases the value through the
+        cache's releaser once the thread returns (``_await_thread``).
+        """
+        await anyio.lowlevel.checkpoint_if_cancelled()  # no thread for a load cancelled already
+        call = _ThreadCall(slot.load)
+        # Started from this task, so the thread runs in this load's context.
+        self._spawn(
+            self._await_thread,
+            self._caches[entry.owner],
+            entry,
+            call,
+            name=f"cachebroker thread {entry.owner.name}:{entry.key!r}",
+        )
+        with anyio.CancelScope(shield=True) as waiting:
+            slot.thread_wait = waiting
+            if slot.abandoned:
+                waiting.cancel()
+            await call.done.wait()
+        slot.thread_wait = None
+        if call.lost or not call.done.is_set():
+            self._abandon(entry, call)
+            raise _Abandoned
+        if call.error is not None:
+            raise call.error
+        value = call.value
         if inspect.isawaitable(value):
             # ``load=lambda: load_model(name)``: a plain callable handing back a coroutine.
             try:
@@ -735,6 +808,103 @@ class Broker:
                     value.close()
                 raise
         return value
+
+    def _abandon(self, entry: Entry, call: _ThreadCall) -> None:
+        """Give up a load whose worker thread still runs: its cache closes (or the broker did).
+
+        The entry stays charged, ``releasing``, until the thread returns and the
+        broker's task releases what it made. When that task is gone already
+        (cancelled with the broker), nobody will: the entry is quarantined.
+        """
+        call.orphaned = True
+        slot: _Slot = entry.shell
+        slot.released = anyio.Event()
+        slot.release_started = self._clock()
+        self._emit("info", ev.LOAD_CANCELLED, cache=entry.owner.name, key=entry.key)
+        self._core.load_abandoned(entry)
+        self._emit(
+            "info",
+            ev.RELEASE_REQUESTED,
+            cache=entry.owner.name,
+            key=entry.key,
+            reason=Reason.CLOSE.value,
+            bytes=dict(entry.charge),
+        )
+        if call.lost:
+            self._quarantine_lost(entry)
+        else:
+            self._apply()
+
+    async def _await_thread(self, cache: Cache, entry: Entry, call: _ThreadCall) -> None:
+        """Await a plain loader's worker thread, as a task of the broker (it may outlive the cache).
+
+        The load takes the outcome. Once the load was abandoned, what the thread
+        made is released here, through the cache's releaser. Cancelled with the
+        broker, it leaves the thread to itself.
+        """
+        try:
+            await anyio.to_thread.run_sync(call.run, abandon_on_cancel=True)
+        except BaseException:
+            call.lost = True
+            if call.orphaned:
+                self._quarantine_lost(entry)
+            raise
+        finally:
+            call.done.set()
+        if call.orphaned:
+            await self._release_orphan(cache, entry, call)
+
+    async def _release_orphan(self, cache: Cache, entry: Entry, call: _ThreadCall) -> None:
+        """Release what an abandoned load's thread made, now that it returned."""
+        value = call.value
+        if call.error is None and not inspect.isawaitable(value):
+            entry.value = value
+            await self._run_release(cache, entry, self._spawn)
+            return
+        # Nothing was made (the loader raised, or handed back an awaitable that
+        # nobody will run): nothing is left to free.
+        if inspect.iscoroutine(value):
+            value.close()
+        if call.error is not None:
+            self._emit(
+                "warning",
+                ev.LOAD_FAILED,
+                cache=entry.owner.name,
+                key=entry.key,
+                error=repr(call.error),
+            )
+        self._core.release_done(entry)
+        self._apply()
+        entry.shell.released.set()
+        if call.error is not None and _classify(call.error) is _Fault.FATAL:
+            raise call.error
+
+    def _quarantine_lost(self, entry: Entry) -> None:
+        """An abandoned load's thread can no longer be waited for: nobody will release its value."""
+        self._core.release_failed(
+            entry,
+            ReleaseFailed(
+                f"the broker was closed before the threaded load of "
+                f"{entry.owner.name}:{entry.key!r} returned; what it makes is not released"
+            ),
+        )
+        self._apply()
+        entry.shell.released.set()
+
+    async def _await_orphans(self) -> None:
+        """Wait (at most ``release_timeout``) for abandoned loads' threads, and their releases."""
+        limit = self._release_timeout
+        with anyio.move_on_after(math.inf if limit is None else limit):
+            for entry in list(self._core.orphans):
+                await entry.shell.released.wait()
+
+    def _spawn(
+        self, func: Callable[..., Awaitable[Any]], *args: Any, name: str | None = None
+    ) -> None:
+        """Start ``func(*args)`` in the broker's own task group, in the current context."""
+        assert self._tg is not None
+        start_soon = cast(Callable[..., None], self._tg.start_soon)
+        start_soon(func, *args, name=name)
 
     def _measure(
         self, entry: Entry, slot: _Slot, value: Any
@@ -784,12 +954,18 @@ class Broker:
             self._run_release, cache, entry, name=f"cachebroker release {cache.name}:{entry.key!r}"
         )
 
-    async def _run_release(self, cache: Cache, entry: Entry) -> None:
+    async def _run_release(
+        self, cache: Cache, entry: Entry, spawn: Callable[..., None] | None = None
+    ) -> None:
+        """Ask ``cache``'s releaser to free ``entry``, watched by ``release_timeout``.
+
+        The watchdog runs in the cache's task group, or through ``spawn``.
+        """
         core = self._core
         slot: _Slot = entry.shell
         watchdog = anyio.CancelScope()
         if self._release_timeout is not None:
-            cache._spawn(self._watch_release, entry, watchdog, self._release_timeout)
+            (spawn or cache._spawn)(self._watch_release, entry, watchdog, self._release_timeout)
         task = self._current_task()
         self._releasing_tasks.add(task)
         probed = {
@@ -983,7 +1159,9 @@ class Cache:
 
     Leaving the block closes the cache: new acquires fail with
     ``BrokerClosed``, requests still waiting fail with ``BrokerClosed``, loads
-    in flight are cancelled, idle entries are released through the releaser
+    in flight are cancelled (the worker thread of a plain loader, which cannot
+    be stopped, is not waited for: what it makes is released through the
+    releaser once it returns), idle entries are released through the releaser
     and awaited. Leased entries are released when their last lease ends; the
     exit waits for that up to ``release_timeout``. Leases still held then are
     never freed under their holders: the exit raises ``LeasesOutstanding``

@@ -258,6 +258,10 @@ class Core:
         #: it cost one dict step each.
         self._settling: dict[Entry, bool] = {}
         self.quarantined: dict[Entry, BaseException] = {}
+        #: Loads abandoned by their closing cache while still running (a worker
+        #: thread cannot be stopped): ``releasing`` until the load returns and
+        #: what it made is released (``load_abandoned``).
+        self.orphans: dict[Entry, None] = {}
         self.effects: list[tuple[Effect, Any]] = []
         self._overdrawn: set[str] = set()
         self._expiry: list[tuple[float, int, Entry]] = []
@@ -535,6 +539,32 @@ class Core:
             self._rest(entry, now)
         self._schedule()
 
+    def load_abandoned(self, entry: Entry) -> None:
+        """The closing cache stops waiting for a load that cannot be stopped (a worker thread).
+
+        The load may still make its value, so its bytes stay charged: the entry
+        is ``releasing`` from now on, its release being the load's end (the
+        value released through the owner, or nothing to free if the load
+        fails). It leaves its key and its owner's live entries, so the owner's
+        close is not held, and is listed in ``orphans`` until ``release_done``
+        or ``release_failed``. Requesters still joined get ``BrokerClosed``.
+        """
+        if entry.state is not State.LOADING:
+            return
+        owner = entry.owner
+        if entry.joiners:
+            self._fail_joiners(entry, BrokerClosed(f"cache {owner.name!r} was closed"))
+        self._detach(entry)
+        entry.state = State.RELEASING
+        for name, amount in entry.charge.items():
+            self.spaces[name].releasing += amount
+        self.evictions[Reason.CLOSE] += 1
+        owner.live.discard(entry)
+        _shrink_if_empty(owner.live)
+        self.orphans[entry] = None
+        self._check_empty(owner)
+        self._schedule()
+
     def load_failed(self, entry: Entry, error: BaseException, *, cancelled: bool = False) -> None:
         """Record a failed or cancelled load: return its reservation, fail its joiners."""
         if not cancelled:
@@ -751,7 +781,11 @@ class Core:
         for entry in idle:
             if self._busy is not None:
                 self._busy(entry)
-        admitted = [e for e in touched if e.state in (State.READY, State.RELEASING)]
+        admitted = [
+            e
+            for e in touched
+            if e.state in (State.READY, State.RELEASING) and e not in self.orphans
+        ]
         if self._remove is not None:
             for entry in admitted:
                 self._remove(entry)
@@ -805,6 +839,7 @@ class Core:
         if entry.state is State.RELEASING:
             for name, amount in entry.charge.items():
                 self.spaces[name].releasing -= amount
+            self._unorphan(entry)
         elif entry.state is State.QUARANTINED:
             del self.quarantined[entry]
             _shrink_if_empty(self.quarantined)
@@ -821,6 +856,7 @@ class Core:
             return
         for name, amount in entry.charge.items():
             self.spaces[name].releasing -= amount
+        self._unorphan(entry)
         self.releases_failed += 1
         entry.error = error
         self._hand_over(entry)
@@ -829,6 +865,11 @@ class Core:
         self.quarantined[entry] = error
         self.effects.append((Effect.QUARANTINED, entry))
         self._schedule()
+
+    def _unorphan(self, entry: Entry) -> None:
+        if entry in self.orphans:
+            del self.orphans[entry]
+            _shrink_if_empty(self.orphans)
 
     def forget(self, entry: Entry) -> None:
         """Write off a quarantined entry: the operator says its memory is free."""
@@ -1093,6 +1134,7 @@ class Core:
         """Every entry known to the books, quarantined ones included."""
         for owner in self.owners.values():
             yield from owner.live
+        yield from self.orphans
         yield from self.quarantined
 
     def check(self) -> None:
@@ -1112,6 +1154,9 @@ class Core:
             assert [(s.name, n) for s, n in entry.weights] == [
                 (self.spaces[name].name, n) for name, n in entry.charge.items()
             ], entry
+            if entry in self.orphans:
+                assert entry.state is State.RELEASING, entry
+                assert entry not in entry.owner.live, entry
             if entry.state is State.WAITING:
                 assert entry in self.queue, entry
                 assert not entry.charge, entry
