@@ -21,6 +21,7 @@ import pytest
 
 from cachebroker import Broker, BrokerClosed, BrokerError, Cache, LoadFailed
 from cachebroker._core import State
+from cachebroker.probes import Probe
 from tests.harness import Harness
 from tests.test_broker import Recorder, loader, plugin_name, wait_until
 
@@ -430,3 +431,119 @@ def test_process_level_exception_from_a_releaser_propagates_and_quarantines_the_
     assert stats.quarantined_keys == (("p", "k"),)
     assert (stats.used, stats.releasing) == ({"default": 60}, 0)
     assert elapsed < 15
+
+
+# ------------------------------------------------------------ probes that fail
+
+
+class FlakyDevice:
+    """A device's ``(total, free)`` bytes, whose reads fail while told to."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self.reads = 0
+        self.failing = False
+        #: Ordinals (``reads`` after the read) of single reads that fail.
+        self.fail_on: set[int] = set()
+
+    def read(self) -> tuple[int, int]:
+        self.reads += 1
+        if self.failing or self.reads in self.fail_on:
+            raise OSError("NVML_ERROR_UNKNOWN: an unexpected error")
+        return self.total, self.free
+
+    def load(self, key: str, size: int) -> Callable[[], Awaitable[str]]:
+        async def load() -> str:
+            await anyio.lowlevel.checkpoint()
+            self.free -= size
+            return key
+
+        return load
+
+
+class DeviceReleaser:
+    """Frees on the device what it is asked to release."""
+
+    def __init__(self, device: FlakyDevice, sizes: dict[str, int]) -> None:
+        self.device = device
+        self.sizes = sizes
+        self.freed: list[str] = []
+
+    async def release(self, key: str, value: Any) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.device.free += self.sizes[key]
+        self.freed.append(key)
+
+
+@pytest.mark.anyio
+async def test_probe_failing_on_the_timer_keeps_the_last_good_reading(events: Events) -> None:
+    device = FlakyDevice(1000)
+    broker = Broker(budget={"gpu": Probe(device.read)}, probe_interval=0.01)
+    async with broker, broker.cache("p", DeviceReleaser(device, {"k": 100})) as cache:
+        assert (await broker.stats()).budget == {"gpu": 1000}
+        device.free = 400  # what the failing reads would have shown
+        device.failing = True
+        await wait_until(lambda: len(logged(events, "cachebroker.probe.failed")) >= 2)
+        assert broker.stats_nowait().budget == {"gpu": 1000}  # the last good reading stands
+        device.failing = False
+        await wait_until(lambda: broker.stats_nowait().budget == {"gpu": 400})
+        async with cache.acquire("k", load=device.load("k", 100), size={"gpu": 100}) as lease:
+            assert lease.value == "k"
+    failed = logged(events, "cachebroker.probe.failed")[0]
+    assert (failed["log_level"], failed["space"]) == ("warning", "gpu")
+    assert "NVML_ERROR_UNKNOWN" in failed["error"]
+
+
+@pytest.mark.anyio
+async def test_probe_failing_before_its_first_reading_counts_the_space_as_full(
+    events: Events,
+) -> None:
+    device = FlakyDevice(1000)
+    device.fail_on = {1}
+    broker = Broker(budget={"gpu": Probe(device.read)}, probe_interval=3600)
+    assert broker.stats_nowait().budget == {"gpu": 0}  # full: nothing fits until a good read
+    assert len(logged(events, "cachebroker.probe.failed")) == 1
+    async with broker, broker.cache("p", DeviceReleaser(device, {"k": 100})) as cache:
+        async with cache.acquire("k", load=device.load("k", 100), size={"gpu": 100}):
+            assert broker.stats_nowait().budget == {"gpu": 1000}  # read again before the miss
+
+
+@pytest.mark.anyio
+async def test_probe_failing_before_a_release_skips_only_the_memory_wait(
+    events: Events,
+) -> None:
+    device = FlakyDevice(1000)
+    plugin = DeviceReleaser(device, {"a": 600, "b": 600})
+    broker = Broker(budget={"gpu": Probe(device.read)}, memory_wait=30, probe_interval=3600)
+    async with broker, broker.cache("p", plugin) as cache:
+        async with cache.acquire("a", load=device.load("a", 600), size={"gpu": 600}):
+            pass
+        device.fail_on = {device.reads + 1}  # the read of the free bytes before the release
+        with anyio.fail_after(5):
+            assert await cache.invalidate("a") is True
+        stats = await broker.stats()
+        assert (stats.used, stats.releasing, stats.quarantined) == ({"gpu": 0}, 0, 0)
+        assert plugin.freed == ["a"]
+        async with cache.acquire("b", load=device.load("b", 600), size={"gpu": 600}):
+            assert broker.stats_nowait().budget == {"gpu": 1000}  # good readings again
+    assert logged(events, "cachebroker.probe.failed")
+
+
+@pytest.mark.anyio
+async def test_probe_failing_while_waiting_for_released_memory_stops_the_wait(
+    events: Events,
+) -> None:
+    device = FlakyDevice(1000)
+    leaky = Recorder()  # frees nothing on the device: the wait would last memory_wait
+    broker = Broker(budget={"gpu": Probe(device.read)}, memory_wait=30, probe_interval=3600)
+    async with broker, broker.cache("p", leaky) as cache:
+        async with cache.acquire("a", load=device.load("a", 600), size={"gpu": 600}):
+            pass
+        device.fail_on = {device.reads + 2}  # the first read while waiting for the memory
+        with anyio.fail_after(5):
+            assert await cache.invalidate("a") is True
+        stats = await broker.stats()
+        assert (stats.used, stats.releasing, stats.quarantined) == ({"gpu": 0}, 0, 0)
+    assert logged(events, "cachebroker.probe.failed")
+    assert not logged(events, "cachebroker.release.memory_slow")

@@ -334,6 +334,8 @@ class Broker:
         self._releasing_tasks: set[object] = set()
         self._listeners: list[Listener] = []
         self._release_timeouts = 0
+        #: Probed spaces that have had a good reading.
+        self._probe_ok: set[str] = set()
         self._refresh_probes()
         self._sweep_wake: anyio.Event | None = None
 
@@ -968,12 +970,8 @@ class Broker:
             (spawn or cache._spawn)(self._watch_release, entry, watchdog, self._release_timeout)
         task = self._current_task()
         self._releasing_tasks.add(task)
-        probed = {
-            name: self._probes[name].read()[1]
-            for name in entry.charge
-            if name in self._probes and self._memory_wait
-        }
         try:
+            probed = self._free_before(entry)
             await cache._release(entry.key, entry.value)
             if probed:
                 await self._wait_for_memory(entry, probed)
@@ -1012,6 +1010,21 @@ class Broker:
             failure.__cause__ = exc
         self._core.release_failed(entry, failure)
         return fault is not _Fault.FAILED
+
+    def _free_before(self, entry: Entry) -> dict[str, int]:
+        """Free bytes of ``entry``'s probed spaces before its release, to wait for them after.
+
+        A space whose probe cannot be read now is not waited for.
+        """
+        if not self._memory_wait:
+            return {}
+        before: dict[str, int] = {}
+        for name in entry.charge:
+            if name in self._probes:
+                reading = self._read_probe(name)
+                if reading is not None:
+                    before[name] = reading[1]
+        return before
 
     async def _watch_release(self, entry: Entry, scope: anyio.CancelScope, timeout: float) -> None:
         with scope:
@@ -1058,15 +1071,44 @@ class Broker:
             self._apply()
 
     def _refresh_probes(self) -> None:
-        """Re-read every probed space's device and set its capacity."""
+        """Re-read every probed space's device and set its capacity.
+
+        A space whose read fails keeps the capacity its last good reading gave;
+        with no good reading yet, it is taken as full (what is used now).
+        """
         core = self._core
         for name, probe in self._probes.items():
-            total, free = probe.read()
+            reading = self._read_probe(name)
             held = core.spaces[name].used
-            capacity = max(0, min(total - probe.headroom, free + held - probe.headroom))
-            core.set_capacity(name, capacity, limit=total - probe.headroom)
+            if reading is not None:
+                total, free = reading
+                capacity = max(0, min(total - probe.headroom, free + held - probe.headroom))
+                core.set_capacity(name, capacity, limit=total - probe.headroom)
+            elif name not in self._probe_ok:
+                core.set_capacity(name, held)
         if self._running:
             self._apply()
+
+    def _read_probe(self, name: str) -> tuple[int, int] | None:
+        """Read space ``name``'s probe: ``(total, free)`` bytes, or ``None`` if the read failed.
+
+        A failed read (a transient NVML or psutil error) is logged, never
+        raised: the caller keeps what it knew, or stops waiting, and the probe
+        is read again next time.
+        """
+        probe = self._probes[name]
+        try:
+            reading = probe.read()
+        except Exception as exc:
+            fields = {"space": name, "probe": probe.name, "error": repr(exc)}
+            if self._log is None:  # from __init__: the broker has not bound its logger yet
+                log = self._logger or structlog.get_logger("cachebroker")
+                log.warning(ev.PROBE_FAILED, **fields)
+            else:
+                self._emit("warning", ev.PROBE_FAILED, **fields)
+            return None
+        self._probe_ok.add(name)
+        return reading
 
     async def _wait_for_memory(self, entry: Entry, before: dict[str, int]) -> None:
         """After a release on probed spaces, wait (bounded) for the device to show it."""
@@ -1075,11 +1117,13 @@ class Broker:
         }
         with anyio.move_on_after(self._memory_wait or 0):
             while True:
-                short = {
-                    name: need
-                    for name, need in wanted.items()
-                    if self._probes[name].read()[1] < need
-                }
+                short: dict[str, int] = {}
+                for name, need in wanted.items():
+                    reading = self._read_probe(name)
+                    if reading is None:
+                        return  # the device cannot be read: do not wait for it
+                    if reading[1] < need:
+                        short[name] = need
                 if not short:
                     return
                 await anyio.sleep(0.02)
