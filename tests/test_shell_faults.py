@@ -181,6 +181,19 @@ async def test_threaded_load_failing_after_its_cache_closed_gives_its_bytes_back
 
 
 @pytest.mark.anyio
+async def test_abandoning_a_threaded_load_is_no_out_of_memory_error(blocked: BlockedLoader) -> None:
+    async with Broker(budget=100, release_timeout=0.2, oom_errors=Exception) as broker:
+        with anyio.fail_after(5):
+            async with broker.cache("p", Recorder()) as cache:
+                await leave_a_threaded_load_running(cache, blocked, 60)
+        stats = await broker.stats()
+        assert (stats.releasing, stats.used, stats.load_failures) == (1, {"default": 60}, 0)
+        broker._core.check()
+        blocked.finish()
+        await wait_until(lambda: broker.stats_nowait().used == {"default": 0})
+
+
+@pytest.mark.anyio
 async def test_threaded_load_whose_requesters_left_keeps_its_value() -> None:
     """Unchanged by abandoning threads on close: only the cache closing gives a thread up."""
     load = BlockedLoader("kept")

@@ -155,8 +155,11 @@ class _ThreadCall:
             self.error = exc
 
 
-class _Abandoned(Exception):
-    """The load was given up while its worker thread runs; the books say so already."""
+class _Abandoned(BaseException):
+    """The load was given up while its worker thread runs; the books say so already.
+
+    A ``BaseException``, so that no ``oom_errors`` type (an ``Exception``) catches it.
+    """
 
 
 class _Fault(enum.Enum):
