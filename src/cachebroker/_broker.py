@@ -80,7 +80,9 @@ class Releaser(Protocol):
         Return only once the memory is really free (for a GPU, once the
         framework's allocator gave it back). Cancellation: the broker cancels
         a release only when the plugin's cache block is torn down past
-        ``release_timeout``; the entry is then quarantined.
+        ``release_timeout`` (for a value that a plain loader's thread returned
+        after the block was left: when the broker is); the entry is then
+        quarantined.
         """
 
 
