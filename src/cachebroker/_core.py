@@ -1131,7 +1131,7 @@ class Core:
     # ------------------------------------------------------------------ views
 
     def entries(self) -> Iterable[Entry]:
-        """Every entry known to the books, quarantined ones included."""
+        """Every entry known to the books, abandoned loads and quarantined ones included."""
         for owner in self.owners.values():
             yield from owner.live
         yield from self.orphans
