@@ -117,10 +117,11 @@ async def test_threaded_load_running_when_its_cache_closes_is_released_when_it_r
     blocked: BlockedLoader, events: Events
 ) -> None:
     plugin = ValueRecorder()
-    plugin_name.set("whisper")
     async with Broker(budget=100, release_timeout=0.2) as broker:
         with anyio.fail_after(5):
+            token = plugin_name.set("whisper")
             async with broker.cache("p", plugin) as cache:
+                plugin_name.reset(token)  # the block keeps the context it was opened in
                 await leave_a_threaded_load_running(cache, blocked, 60)
         assert not blocked.returned.is_set()  # the exit did not wait for the thread
         stats = await broker.stats()
