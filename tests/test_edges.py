@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import pytest
 
 from cachebroker import (
@@ -45,8 +46,8 @@ class Memory:
         async def load() -> bytearray:
             self.live += size
             self.peak = max(self.peak, self.live)
-            await anyio.sleep(0)
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
             return bytearray(size)
 
         return load
@@ -73,7 +74,7 @@ async def test_measured_sizes_under_concurrency_stay_within_budget_plus_one_mode
 
         async def use(key: str) -> None:
             async with cache.acquire(key, load=plugin.load(sizes[key]), size=len):
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
 
         async with anyio.create_task_group() as tg:
             for i in range(50):
@@ -140,7 +141,7 @@ async def test_size_callable_and_measure_together_are_refused() -> None:
         with pytest.raises(TypeError, match="either size=callable or measure="):
             cache.acquire("a", load=loader(b"x"), size=len, measure=len)
         with pytest.raises(TypeError, match="measure must be a callable"):
-            cache.acquire("a", load=loader(b"x"), measure=3)  # type: ignore[arg-type]
+            cache.acquire("a", load=loader(b"x"), measure=3)  # type: ignore[call-overload]
 
 
 # ---------------------------------------------------- waiting on oneself
@@ -197,7 +198,7 @@ async def test_loader_may_acquire_other_keys_of_unknown_size() -> None:
 
         async def load_outer() -> bytes:
             async with cache.acquire("inner", load=loader(b"i" * 10), size=len) as inner:
-                return inner.value * 2
+                return bytes(inner.value * 2)
 
         with anyio.fail_after(5):
             async with cache.acquire("outer", load=load_outer, size=len) as lease:
@@ -217,12 +218,12 @@ async def test_stream_of_short_leases_does_not_starve_a_large_request() -> None:
         async def hammer(key: str) -> None:
             while not stop.is_set():
                 async with cache.acquire(key, load=loader(key), size=50):
-                    await anyio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
 
         async with anyio.create_task_group() as tg:
             for key in ("A", "B", "A", "B"):
                 tg.start_soon(hammer, key)
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             with anyio.fail_after(10):
                 async with cache.acquire("X", load=loader("x"), size=100) as big:
                     assert big.value == "x"
@@ -261,7 +262,7 @@ async def test_lease_dropped_while_held_warns_and_is_ended() -> None:
             await cache.acquire("a", load=loader("v"), size=60)
             raise RuntimeError("the task died holding its lease")
 
-        with pytest.warns(ResourceWarning, match="p:'a'"):
+        with pytest.warns(ResourceWarning, match="p:'a'"):  # noqa: PT031
             with pytest.raises(RuntimeError):
                 await dies()
             gc.collect()
@@ -311,7 +312,7 @@ async def test_lease_released_from_another_thread_is_ended_on_the_loop() -> None
         lease = await cache.acquire("a", load=loader(1), size=60)
 
         def release_there() -> None:
-            anyio.run(lease.release)  # type: ignore[arg-type]
+            anyio.run(lease.release)
 
         await anyio.to_thread.run_sync(release_there)
         await wait_until(lambda: broker.stats_nowait().leased == 0)

@@ -18,6 +18,7 @@ from ._errors import InvalidArgument as InvalidArgument
 from ._errors import InvalidKey as InvalidKey
 from ._errors import LeaseReleased as LeaseReleased
 from ._errors import LeasesOutstanding as LeasesOutstanding
+from ._errors import LoadFailed as LoadFailed
 from ._errors import OutOfSpace as OutOfSpace
 from ._errors import ReleaseFailed as ReleaseFailed
 from ._errors import RequestTooLarge as RequestTooLarge
@@ -56,6 +57,7 @@ __all__ = (
     "Lease",
     "LeaseReleased",
     "LeasesOutstanding",
+    "LoadFailed",
     "OutOfSpace",
     "Policy",
     "ReleaseFailed",

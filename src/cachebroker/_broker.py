@@ -15,9 +15,11 @@ outcomes come back as further core steps.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import copy
+import enum
 import functools
 import inspect
 import logging
@@ -40,11 +42,13 @@ from ._core import Core, Effect, Entry, Owner, Reason, State, Ticket
 from ._errors import (
     AcquireTimeout,
     BrokerClosed,
+    BrokerError,
     DeadlockError,
     InvalidArgument,
     InvalidKey,
     LeaseReleased,
     LeasesOutstanding,
+    LoadFailed,
     OutOfSpace,
     ReleaseFailed,
     WrongEventLoop,
@@ -86,7 +90,9 @@ class Releaser(Protocol):
         Return only once the memory is really free (for a GPU, once the
         framework's allocator gave it back). Cancellation: the broker cancels
         a release only when the plugin's cache block is torn down past
-        ``release_timeout``; the entry is then quarantined.
+        ``release_timeout`` (for a value that a plain loader's thread returned
+        after the block was left: when the broker is); the entry is then
+        quarantined.
         """
 
 
@@ -101,6 +107,7 @@ class _Slot:
     """What the shell keeps on an entry: how to load it and how to wake its waiters."""
 
     __slots__ = (
+        "abandoned",
         "cancelled",
         "done",
         "is_async",
@@ -110,6 +117,7 @@ class _Slot:
         "release_started",
         "released",
         "scope",
+        "thread_wait",
         "timed_out",
     )
 
@@ -123,11 +131,74 @@ class _Slot:
         self.released: anyio.Event | None = None
         self.scope: anyio.CancelScope | None = None
         self.cancelled = False
+        #: The wait for a worker thread (``_load_in_thread``), and whether the
+        #: closing cache gave the load up.
+        self.thread_wait: anyio.CancelScope | None = None
+        self.abandoned = False
         #: When the request that created the entry asked for space, when its
         #: release was requested, and whether that release timed out.
         self.queued_at = now
         self.release_started = now
         self.timed_out = False
+
+
+class _ThreadCall:
+    """A plain loader's run in a worker thread, awaited by a task of the broker."""
+
+    __slots__ = ("done", "error", "load", "lost", "orphaned", "value")
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self.load = load
+        self.value: Any = None
+        self.error: BaseException | None = None
+        #: Set once the broker's task stopped waiting for the thread.
+        self.done = anyio.Event()
+        #: It stopped without the thread's outcome: it was cancelled with the broker.
+        self.lost = False
+        #: The load gave the thread up (its cache closed): the broker's task
+        #: releases what the thread makes.
+        self.orphaned = False
+
+    def run(self) -> None:
+        """The worker thread's function: keep the outcome, whatever it is, for the loop."""
+        try:
+            self.value = self.load()
+        except BaseException as exc:  # raised again where the outcome is taken
+            self.error = exc
+
+
+class _Abandoned(BaseException):
+    """The load was given up while its worker thread runs; the books say so already.
+
+    A ``BaseException``, so that no ``oom_errors`` type (an ``Exception``) catches it.
+    """
+
+
+class _Fault(enum.Enum):
+    """What the plugin's code (a loader, a size callable, a releaser) raised, for the books."""
+
+    #: The broker's own cancellation of the task: the load is cancelled, the release failed.
+    CANCELLED = "cancelled"
+    #: An ordinary failure: an ``Exception``, or a ``CancelledError`` the broker did not cause.
+    FAILED = "failed"
+    #: A process-level event (``KeyboardInterrupt``, ``SystemExit``, any other
+    #: ``BaseException``): booked as a failure, then propagated.
+    FATAL = "fatal"
+
+
+def _classify(exc: BaseException) -> _Fault:
+    """Classify ``exc``, in the ``except`` clause of the task that ran the plugin's code.
+
+    A ``CancelledError`` is the broker's own only when that task really is in
+    a cancelled scope; one raised by a library (a cancelled inner future, an
+    internal timeout on asyncio), or asyncio's on trio, is an ordinary failure.
+    """
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        cancelled = anyio.current_effective_deadline() == -math.inf
+        return _Fault.CANCELLED if cancelled else _Fault.FAILED
+    if isinstance(exc, Exception | asyncio.CancelledError):
+        return _Fault.FAILED
+    return _Fault.FATAL
 
 
 def _is_async_callable(func: object) -> bool:
@@ -297,6 +368,8 @@ class Broker:
         self._releasing_tasks: set[object] = set()
         self._listeners: list[Listener] = []
         self._release_timeouts = 0
+        #: Probed spaces that have had a good reading.
+        self._probe_ok: set[str] = set()
         self._refresh_probes()
         self._sweep_wake: anyio.Event | None = None
 
@@ -368,6 +441,10 @@ class Broker:
         """Close every cache still open (see ``Cache``), then stop the sweeper.
 
         Waiting requests fail with ``BrokerClosed`` and loads are cancelled.
+        Worker threads of plain loaders that the caches gave up while they ran
+        are waited for (bounded by ``release_timeout``) so that what they make
+        is released; those still running then are left to themselves and
+        their entries quarantined.
         Cancellation: the closing of the caches is shielded, so it completes
         (each bounded by ``release_timeout``) even when the block is cancelled.
         """
@@ -377,6 +454,7 @@ class Broker:
             with anyio.CancelScope(shield=True):
                 for cache in list(self._caches.values()):
                     await cache._shut(BrokerClosed("the broker was closed"))
+                await self._await_orphans()
         finally:
             self._running = False
             self._core.closed = True
@@ -604,6 +682,12 @@ class Broker:
                     slot.cancelled = True
                     if slot.scope is not None:
                         slot.scope.cancel()
+                    if subject.owner.closing:
+                        # Its cache closes: stop waiting for a worker thread, which
+                        # cannot be stopped (see _load_in_thread).
+                        slot.abandoned = True
+                        if slot.thread_wait is not None:
+                            slot.thread_wait.cancel()
                 elif kind is Effect.QUARANTINED:
                     slot = subject.shell
                     self._emit(
@@ -649,21 +733,25 @@ class Broker:
             started = self._clock()
             try:
                 value = await self._load_freeing_on_oom(entry, slot)
-            except anyio.get_cancelled_exc_class():
-                self._emit("info", ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
-                core.load_failed(entry, BrokerClosed("the load was cancelled"), cancelled=True)
-                self._apply()
-                raise
-            except Exception as exc:
-                self._emit(
-                    "warning", ev.LOAD_FAILED, cache=cache_name, key=entry.key, error=repr(exc)
-                )
-                core.load_failed(entry, exc)
-                self._apply()
+            except _Abandoned:
+                return  # booked by _abandon
+            except BaseException as exc:
+                if self._load_failed(entry, exc):
+                    raise
                 return
             seconds = max(0.0, self._clock() - started)
-            measured, error = self._measure(entry, slot, value)
+            measured, error, fatal = self._measure(entry, slot, value)
             core.load_done(entry, value, measured, seconds, self._clock(), error=error)
+            if fatal is not None:
+                # No time is left to release the value through its owner: it is
+                # quarantined before its release starts (see _start_release).
+                core.release_failed(
+                    entry,
+                    ReleaseFailed(
+                        f"{cache_name}:{entry.key!r} was not released: "
+                        f"its size callable raised {fatal!r}"
+                    ),
+                )
             if entry.idle_seq:
                 self._note_idle(entry)
             self._emit(
@@ -675,6 +763,31 @@ class Broker:
                 bytes=dict(entry.charge),
             )
             self._apply()
+            if fatal is not None:
+                raise fatal
+
+    def _load_failed(self, entry: Entry, exc: BaseException) -> bool:
+        """Book a load that raised ``exc``; return whether ``exc`` must propagate.
+
+        The broker's own cancellation cancels the load. Anything else fails it
+        for every requester: they get the loader's exception, or, for what is
+        no ordinary error (a ``CancelledError`` not meant for the broker, a
+        process-level ``BaseException``), a ``LoadFailed`` chained to it.
+        """
+        fault = _classify(exc)
+        cache_name = entry.owner.name
+        if fault is _Fault.CANCELLED:
+            self._emit("info", ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
+            self._core.load_failed(entry, BrokerClosed("the load was cancelled"), cancelled=True)
+        else:
+            self._emit("warning", ev.LOAD_FAILED, cache=cache_name, key=entry.key, error=repr(exc))
+            error = exc
+            if not isinstance(exc, Exception):
+                error = LoadFailed(f"loading {cache_name}:{entry.key!r} raised {exc!r}")
+                error.__cause__ = exc
+            self._core.load_failed(entry, error)
+        self._apply()
+        return fault is not _Fault.FAILED
 
     async def _load_freeing_on_oom(self, entry: Entry, slot: _Slot) -> Any:
         """Run the loader; on an out-of-memory error free the next victim and retry.
@@ -689,7 +802,7 @@ class Broker:
                 if slot.is_async:
                     value = await slot.load()
                 else:
-                    value = await self._load_in_thread(slot.load)
+                    value = await self._load_in_thread(entry, slot)
             except self._oom_errors as exc:
                 victims = self._core.free_for_retry(entry) if retries < self._oom_retries else []
                 self._apply()
@@ -738,12 +851,37 @@ class Broker:
             )
         self._apply()
 
-    @staticmethod
-    async def _load_in_thread(load: Callable[[], Any]) -> Any:
-        # A thread cannot be interrupted: let it finish and keep what it made.
-        with anyio.CancelScope(shield=True):
-            # Boxed: trio refuses a thread function whose result is a coroutine.
-            (value,) = await anyio.to_thread.run_sync(lambda: (load(),))
+    async def _load_in_thread(self, entry: Entry, slot: _Slot) -> Any:
+        """Run a plain loader in a worker thread, awaited by a task of the broker.
+
+        A thread cannot be interrupted. Its requesters leaving does not stop the
+        wait: the load keeps what the thread makes (see ``Core.load_done``).
+        Its cache closing does: the load is abandoned so that the cache's exit
+        is not held, and the broker's task releases the value through the
+        cache's releaser once the thread returns (``_await_thread``).
+        """
+        await anyio.lowlevel.checkpoint_if_cancelled()  # no thread for a load cancelled already
+        call = _ThreadCall(slot.load)
+        # Started from this task, so the thread runs in this load's context.
+        self._spawn(
+            self._await_thread,
+            self._caches[entry.owner],
+            entry,
+            call,
+            name=f"cachebroker thread {entry.owner.name}:{entry.key!r}",
+        )
+        with anyio.CancelScope(shield=True) as waiting:
+            slot.thread_wait = waiting
+            if slot.abandoned:
+                waiting.cancel()
+            await call.done.wait()
+        slot.thread_wait = None
+        if call.lost or not call.done.is_set():
+            self._abandon(entry, call)
+            raise _Abandoned
+        if call.error is not None:
+            raise call.error
+        value = call.value
         if inspect.isawaitable(value):
             # ``load=lambda: load_model(name)``: a plain callable handing back a coroutine.
             try:
@@ -754,26 +892,129 @@ class Broker:
                 raise
         return value
 
+    def _abandon(self, entry: Entry, call: _ThreadCall) -> None:
+        """Give up a load whose worker thread still runs: its cache closes (or the broker did).
+
+        The entry stays charged, ``releasing``, until the thread returns and the
+        broker's task releases what it made. When that task is gone already
+        (cancelled with the broker), nobody will: the entry is quarantined.
+        """
+        call.orphaned = True
+        slot: _Slot = entry.shell
+        slot.released = anyio.Event()
+        slot.release_started = self._clock()
+        self._emit("info", ev.LOAD_CANCELLED, cache=entry.owner.name, key=entry.key)
+        self._core.load_abandoned(entry)
+        self._emit(
+            "info",
+            ev.RELEASE_REQUESTED,
+            cache=entry.owner.name,
+            key=entry.key,
+            reason=Reason.CLOSE.value,
+            bytes=dict(entry.charge),
+        )
+        if call.lost:
+            self._quarantine_lost(entry)
+        else:
+            self._apply()
+
+    async def _await_thread(self, cache: Cache, entry: Entry, call: _ThreadCall) -> None:
+        """Await a plain loader's worker thread, as a task of the broker (it may outlive the cache).
+
+        The load takes the outcome. Once the load was abandoned, what the thread
+        made is released here, through the cache's releaser. Cancelled with the
+        broker, it leaves the thread to itself.
+        """
+        try:
+            await anyio.to_thread.run_sync(call.run, abandon_on_cancel=True)
+        except BaseException:
+            call.lost = True
+            if call.orphaned:
+                self._quarantine_lost(entry)
+            raise
+        finally:
+            call.done.set()
+        if call.orphaned:
+            await self._release_orphan(cache, entry, call)
+
+    async def _release_orphan(self, cache: Cache, entry: Entry, call: _ThreadCall) -> None:
+        """Release what an abandoned load's thread made, now that it returned."""
+        value = call.value
+        if call.error is None and not inspect.isawaitable(value):
+            entry.value = value
+            await self._run_release(cache, entry, self._spawn)
+            return
+        # Nothing was made (the loader raised, or handed back an awaitable that
+        # nobody will run): nothing is left to free.
+        if inspect.iscoroutine(value):
+            value.close()
+        if call.error is not None:
+            self._emit(
+                "warning",
+                ev.LOAD_FAILED,
+                cache=entry.owner.name,
+                key=entry.key,
+                error=repr(call.error),
+            )
+        self._core.release_done(entry)
+        self._apply()
+        entry.shell.released.set()
+        if call.error is not None and _classify(call.error) is _Fault.FATAL:
+            raise call.error
+
+    def _quarantine_lost(self, entry: Entry) -> None:
+        """An abandoned load's thread can no longer be waited for: nobody will release its value."""
+        self._core.release_failed(
+            entry,
+            ReleaseFailed(
+                f"the broker was closed before the threaded load of "
+                f"{entry.owner.name}:{entry.key!r} returned; what it makes is not released"
+            ),
+        )
+        self._apply()
+        entry.shell.released.set()
+
+    async def _await_orphans(self) -> None:
+        """Wait (at most ``release_timeout``) for abandoned loads' threads, and their releases."""
+        limit = self._release_timeout
+        with anyio.move_on_after(math.inf if limit is None else limit):
+            for entry in list(self._core.orphans):
+                await entry.shell.released.wait()
+
+    def _spawn(
+        self, func: Callable[..., Awaitable[Any]], *args: Any, name: str | None = None
+    ) -> None:
+        """Start ``func(*args)`` in the broker's own task group, in the current context."""
+        assert self._tg is not None
+        start_soon = cast(Callable[..., None], self._tg.start_soon)
+        start_soon(func, *args, name=name)
+
     def _measure(
         self, entry: Entry, slot: _Slot, value: Any
-    ) -> tuple[dict[str, int] | None, BaseException | None]:
+    ) -> tuple[dict[str, int] | None, BaseException | None, BaseException | None]:
+        """The measured size, else the error for the requesters, and what must propagate."""
         if slot.measure is None:
-            return None, None
+            return None, None, None
         try:
-            return parse_size(slot.measure(value), self._budget), None
-        except Exception as exc:
-            error = InvalidArgument(
-                f"the size callable for {entry.owner.name}:{entry.key!r} failed on the "
-                f"loaded value: {exc}"
-            )
+            return parse_size(slot.measure(value), self._budget), None, None
+        except BaseException as exc:
+            what = f"the size callable for {entry.owner.name}:{entry.key!r}"
+            error: BrokerError
+            if isinstance(exc, Exception):
+                error = InvalidArgument(f"{what} failed on the loaded value: {exc}")
+            else:
+                error = LoadFailed(f"{what} raised {exc!r}")
             error.__cause__ = exc
-            return None, error
+            return None, error, exc if _classify(exc) is _Fault.FATAL else None
 
     def _start_release(self, entry: Entry, reason: Reason) -> None:
         cache = self._caches.get(entry.owner)
         slot: _Slot = entry.shell
         slot.released = anyio.Event()
         slot.release_started = self._clock()
+        if entry.state is State.QUARANTINED:  # given up before it could start (_run_load)
+            slot.released.set()
+            return
         if cache is None or cache._closed:
             # The owner's block is gone: nobody is left to free the value.
             self._core.release_failed(
@@ -796,30 +1037,28 @@ class Broker:
             self._run_release, cache, entry, name=f"cachebroker release {cache.name}:{entry.key!r}"
         )
 
-    async def _run_release(self, cache: Cache, entry: Entry) -> None:
+    async def _run_release(
+        self, cache: Cache, entry: Entry, spawn: Callable[..., None] | None = None
+    ) -> None:
+        """Ask ``cache``'s releaser to free ``entry``, watched by ``release_timeout``.
+
+        The watchdog runs in the cache's task group, or through ``spawn``.
+        """
         core = self._core
         slot: _Slot = entry.shell
         watchdog = anyio.CancelScope()
         if self._release_timeout is not None:
-            cache._spawn(self._watch_release, entry, watchdog, self._release_timeout)
+            (spawn or cache._spawn)(self._watch_release, entry, watchdog, self._release_timeout)
         task = self._current_task()
         self._releasing_tasks.add(task)
-        probed = {
-            name: self._probes[name].read()[1]
-            for name in entry.charge
-            if name in self._probes and self._memory_wait
-        }
         try:
+            probed = self._free_before(entry)
             await cache._release(entry.key, entry.value)
             if probed:
                 await self._wait_for_memory(entry, probed)
-        except anyio.get_cancelled_exc_class():
-            core.release_failed(entry, ReleaseFailed("the release was cancelled"))
-            raise
-        except Exception as exc:
-            failure = ReleaseFailed(f"releasing {cache.name}:{entry.key!r} raised {exc!r}")
-            failure.__cause__ = exc
-            core.release_failed(entry, failure)
+        except BaseException as exc:
+            if self._release_failed(entry, exc):
+                raise
         else:
             entry.value = None
             late = entry.state is State.QUARANTINED
@@ -841,6 +1080,32 @@ class Broker:
             self._apply()
             assert slot.released is not None
             slot.released.set()
+
+    def _release_failed(self, entry: Entry, exc: BaseException) -> bool:
+        """Book a release that raised ``exc`` (quarantined); return whether it must propagate."""
+        fault = _classify(exc)
+        if fault is _Fault.CANCELLED:
+            failure = ReleaseFailed("the release was cancelled")
+        else:
+            failure = ReleaseFailed(f"releasing {entry.owner.name}:{entry.key!r} raised {exc!r}")
+            failure.__cause__ = exc
+        self._core.release_failed(entry, failure)
+        return fault is not _Fault.FAILED
+
+    def _free_before(self, entry: Entry) -> dict[str, int]:
+        """Free bytes of ``entry``'s probed spaces before its release, to wait for them after.
+
+        A space whose probe cannot be read now is not waited for.
+        """
+        if not self._memory_wait:
+            return {}
+        before: dict[str, int] = {}
+        for name in entry.charge:
+            if name in self._probes:
+                reading = self._read_probe(name)
+                if reading is not None:
+                    before[name] = reading[1]
+        return before
 
     async def _watch_release(self, entry: Entry, scope: anyio.CancelScope, timeout: float) -> None:
         with scope:
@@ -887,15 +1152,43 @@ class Broker:
             self._apply()
 
     def _refresh_probes(self) -> None:
-        """Re-read every probed space's device and set its capacity."""
+        """Re-read every probed space's device and set its capacity.
+
+        A space whose read fails keeps the capacity its last good reading gave;
+        with no good reading yet, it is taken as full (what is used now).
+        """
         core = self._core
         for name, probe in self._probes.items():
-            total, free = probe.read()
+            reading = self._read_probe(name)
             held = core.spaces[name].used
-            capacity = max(0, min(total - probe.headroom, free + held - probe.headroom))
-            core.set_capacity(name, capacity, limit=total - probe.headroom)
+            if reading is not None:
+                total, free = reading
+                capacity = max(0, min(total - probe.headroom, free + held - probe.headroom))
+                core.set_capacity(name, capacity, limit=total - probe.headroom)
+            elif name not in self._probe_ok:
+                core.set_capacity(name, held)
         if self._running:
             self._apply()
+
+    def _read_probe(self, name: str) -> tuple[int, int] | None:
+        """Read space ``name``'s probe: ``(total, free)`` bytes, or ``None`` if the read failed.
+
+        A failed read (a transient NVML or psutil error) is logged, never
+        raised: the caller keeps what it knew, or stops waiting, and the probe
+        is read again next time.
+        """
+        probe = self._probes[name]
+        try:
+            reading = probe.read()
+        except Exception as exc:
+            fields = {"space": name, "probe": probe.name, "error": repr(exc)}
+            if self._log is None:  # from __init__: the broker has not bound its logger yet
+                _logging.open_events(self._logger).warning(ev.PROBE_FAILED, **fields)
+            else:
+                self._emit("warning", ev.PROBE_FAILED, **fields)
+            return None
+        self._probe_ok.add(name)
+        return reading
 
     async def _wait_for_memory(self, entry: Entry, before: dict[str, int]) -> None:
         """After a release on probed spaces, wait (bounded) for the device to show it."""
@@ -904,11 +1197,13 @@ class Broker:
         }
         with anyio.move_on_after(self._memory_wait or 0):
             while True:
-                short = {
-                    name: need
-                    for name, need in wanted.items()
-                    if self._probes[name].read()[1] < need
-                }
+                short: dict[str, int] = {}
+                for name, need in wanted.items():
+                    reading = self._read_probe(name)
+                    if reading is None:
+                        return  # the device cannot be read: do not wait for it
+                    if reading[1] < need:
+                        short[name] = need
                 if not short:
                     return
                 await anyio.sleep(0.02)
@@ -993,7 +1288,9 @@ class Cache:
 
     Leaving the block closes the cache: new acquires fail with
     ``BrokerClosed``, requests still waiting fail with ``BrokerClosed``, loads
-    in flight are cancelled, idle entries are released through the releaser
+    in flight are cancelled (the worker thread of a plain loader, which cannot
+    be stopped, is not waited for: what it makes is released through the
+    releaser once it returns), idle entries are released through the releaser
     and awaited. Leased entries are released when their last lease ends; the
     exit waits for that up to ``release_timeout``. Leases still held then are
     never freed under their holders: the exit raises ``LeasesOutstanding``

@@ -310,6 +310,10 @@ class Core:
         #: it cost one dict step each.
         self._settling: dict[Entry, bool] = {}
         self.quarantined: dict[Entry, BaseException] = {}
+        #: Loads abandoned by their closing cache while still running (a worker
+        #: thread cannot be stopped): ``releasing`` until the load returns and
+        #: what it made is released (``load_abandoned``).
+        self.orphans: dict[Entry, None] = {}
         self.effects: list[tuple[Effect, Any]] = []
         self._overdrawn: set[str] = set()
         self._expiry: list[tuple[float, int, Entry]] = []
@@ -609,9 +613,13 @@ class Core:
         It competes for no space, so it needs no place in the queue's order
         (and the scheduler may stop walking the queue before reaching it).
         """
-        if not entry.need and entry.after is None and entry.state is State.WAITING:
-            if not entry.gated:
-                self._grant(entry)
+        if (
+            not entry.need
+            and entry.after is None
+            and entry.state is State.WAITING
+            and not entry.gated
+        ):
+            self._grant(entry)
 
     def _leased_by(self, task: object, need: Mapping[str, int]) -> list[Entry]:
         """The entries ``task`` holds leases on in the spaces of ``need``."""
@@ -750,6 +758,34 @@ class Core:
                 return  # Nothing the queue waits on changed: scheduling would do nothing.
         else:
             self._rest(entry, now)
+        self._schedule()
+
+    def load_abandoned(self, entry: Entry) -> None:
+        """The closing cache stops waiting for a load that cannot be stopped (a worker thread).
+
+        The load may still make its value, so its bytes stay charged: the entry
+        is ``releasing`` from now on, its release being the load's end (the
+        value released through the owner, or nothing to free if the load
+        fails). It leaves its key and its owner's live entries, so the owner's
+        close is not held, and is listed in ``orphans`` until ``release_done``
+        or ``release_failed``. Requesters still joined get ``BrokerClosed``.
+        """
+        if entry.state is not State.LOADING:
+            return
+        owner = entry.owner
+        if entry.joiners:
+            self._fail_joiners(entry, BrokerClosed(f"cache {owner.name!r} was closed"))
+        self._detach(entry)
+        entry.state = State.RELEASING
+        for name, amount in entry.charge.items():
+            self.spaces[name].releasing += amount
+        self.evictions[Reason.CLOSE] += 1
+        owner.live.discard(entry)
+        _shrink_if_empty(owner.live)
+        self.orphans[entry] = None
+        entry.nested = []
+        self._open_gate(entry)
+        self._check_empty(owner)
         self._schedule()
 
     def load_failed(self, entry: Entry, error: BaseException, *, cancelled: bool = False) -> None:
@@ -977,7 +1013,11 @@ class Core:
         for entry in idle:
             if self._busy is not None:
                 self._busy(entry)
-        admitted = [e for e in touched if e.state in (State.READY, State.RELEASING)]
+        admitted = [
+            e
+            for e in touched
+            if e.state in (State.READY, State.RELEASING) and e not in self.orphans
+        ]
         if self._remove is not None:
             for entry in admitted:
                 self._remove(entry)
@@ -1033,6 +1073,7 @@ class Core:
             for name, amount in entry.charge.items():
                 self.spaces[name].releasing -= amount
             self._discharge(entry)
+            self._unorphan(entry)
         elif entry.state is State.QUARANTINED:
             self._unquarantine(entry)
         else:
@@ -1047,6 +1088,7 @@ class Core:
             return
         for name, amount in entry.charge.items():
             self.spaces[name].releasing -= amount
+        self._unorphan(entry)
         self.releases_failed += 1
         self._hand_over(entry)
         self._gone(entry)
@@ -1090,6 +1132,11 @@ class Core:
         if abandoned:
             self._schedule()
         return abandoned
+
+    def _unorphan(self, entry: Entry) -> None:
+        if entry in self.orphans:
+            del self.orphans[entry]
+            _shrink_if_empty(self.orphans)
 
     def forget(self, entry: Entry) -> None:
         """Write off a quarantined entry: the operator says its memory is free."""
@@ -1422,9 +1469,10 @@ class Core:
     # ------------------------------------------------------------------ views
 
     def entries(self) -> Iterable[Entry]:
-        """Every entry known to the books, quarantined ones included."""
+        """Every entry known to the books, abandoned loads and quarantined ones included."""
         for owner in self.owners.values():
             yield from owner.live
+        yield from self.orphans
         yield from self.quarantined
 
     def check(self) -> None:
@@ -1447,6 +1495,9 @@ class Core:
             assert [(s.name, n) for s, n in entry.weights] == [
                 (self.spaces[name].name, n) for name, n in entry.charge.items()
             ], entry
+            if entry in self.orphans:
+                assert entry.state is State.RELEASING, entry
+                assert entry not in entry.owner.live, entry
             if entry.state is State.WAITING:
                 assert (entry in self.queue) is not entry.gated, entry
                 assert not entry.gated or (entry in self._gate and not entry.need), entry

@@ -16,6 +16,7 @@ __all__ = [
     "InvalidKey",
     "LeaseReleased",
     "LeasesOutstanding",
+    "LoadFailed",
     "OutOfSpace",
     "ReleaseFailed",
     "RequestTooLarge",
@@ -75,6 +76,18 @@ class AcquireTimeout(BrokerError, TimeoutError):
 
 class BrokerClosed(BrokerError, RuntimeError):
     """The broker or the cache was closed while, or before, the operation ran."""
+
+
+class LoadFailed(BrokerError):
+    """A load failed with something that is not an ordinary error of its own.
+
+    Requesters get it, chained (``__cause__``) to what the loader or the size
+    callable raised, when that was a ``CancelledError`` not meant for the
+    broker (a library's cancelled inner future or internal timeout) or a
+    process-level ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``,
+    ...), which the broker then lets propagate. A cancellation is never raised
+    into the requesters of a load.
+    """
 
 
 class ReleaseFailed(BrokerError):

@@ -27,6 +27,7 @@ QUARANTINE_FORGOTTEN: Final = "cachebroker.quarantine.forgotten"
 ALIAS_LEARNED: Final = "cachebroker.alias.learned"
 MEMORY_SLOW: Final = "cachebroker.release.memory_slow"
 LISTENER_FAILED: Final = "cachebroker.listener.failed"
+PROBE_FAILED: Final = "cachebroker.probe.failed"
 
 ALL: Final = (
     HIT,
@@ -45,4 +46,5 @@ ALL: Final = (
     ALIAS_LEARNED,
     MEMORY_SLOW,
     LISTENER_FAILED,
+    PROBE_FAILED,
 )
