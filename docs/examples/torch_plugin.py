@@ -1,9 +1,12 @@
 """PyTorch: a plugin that loads real ``torch.nn`` modules and gives their memory back.
 
-Each model is sized by its parameters' and buffers' bytes, on the device it
-was loaded to, and its release drops the module and, on CUDA, returns the
-cached blocks with ``torch.cuda.empty_cache()``. Runs on CPU (and on a GPU
-when one is present):
+Each model reserves an estimate before it loads (``size=``, from its
+configuration, as a model card's parameter count would give it) and is then
+measured by its parameters' and buffers' bytes on the device it was loaded to
+(``measure=``), which corrects the books. Its release drops the module and,
+on CUDA, returns the cached blocks with ``torch.cuda.empty_cache()``; the
+blocking parts of both run in a worker thread, off the event loop. Runs on CPU
+(and on a GPU when one is present):
 
     pip install torch 'cachebroker'
     python docs/examples/torch_plugin.py
@@ -37,6 +40,11 @@ def model_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def estimate(width: int) -> int:
+    """What the model will weigh, known before loading: two float32 ``width x width`` layers."""
+    return 2 * (width * width + width) * 4
+
+
 def build(name: str, width: int) -> nn.Module:
     """Stands in for ``from_pretrained``: a small MLP of ``width`` units, on DEVICE."""
     torch.manual_seed(hash(name) % 2**31)
@@ -59,10 +67,15 @@ class TorchPlugin:
     async def release(self, name: str, model: nn.Module) -> None:
         del self.live[name]
         del model  # the broker drops its reference once this returns
-        gc.collect()
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()  # give the cached blocks back to the driver
+        # gc.collect() and empty_cache() block for up to a second: not on the loop.
+        await anyio.to_thread.run_sync(free_cached_memory)
+
+
+def free_cached_memory() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # give the cached blocks back to the driver
 
 
 async def main() -> TorchPlugin:
@@ -72,20 +85,32 @@ async def main() -> TorchPlugin:
     budget = 6 * 2**20
     async with cachebroker.Broker(budget={SPACE: budget}) as broker:
         async with broker.cache("torch", plugin) as cache:
-            for name in ["small", "medium", "large", "small", "large", "medium"]:
+
+            async def infer(name: str) -> None:
                 width = widths[name]
                 async with cache.acquire(
                     name,
                     load=functools.partial(plugin.load, name, width),
-                    size=lambda model: {SPACE: model_bytes(model)},
+                    size={SPACE: estimate(width)},  # reserved before the load runs
+                    measure=lambda model: {SPACE: model_bytes(model)},  # then corrected
                 ) as lease:
                     with torch.no_grad():
                         out = lease.value(torch.ones(1, width, device=DEVICE))
                     assert out.shape == (1, width)
-                stats = await broker.stats()
-                assert stats.used[SPACE] <= budget, stats.used
-                assert sum(model_bytes(m) for m in plugin.live.values()) == stats.used[SPACE]
-            assert (await broker.stats()).evictions >= 3
+                    # What is really loaded never exceeds the budget, even under concurrency.
+                    assert sum(model_bytes(m) for m in plugin.live.values()) <= budget
+
+            for name in ["small", "medium", "large", "small", "large", "medium"]:
+                await infer(name)
+            async with anyio.create_task_group() as tg:  # 12 concurrent requests
+                for name in ["small", "medium", "large"] * 4:
+                    tg.start_soon(infer, name)
+            stats = await broker.stats()
+            assert stats.used[SPACE] <= budget, stats.used
+            assert sum(model_bytes(m) for m in plugin.live.values()) == stats.used[SPACE]
+            assert stats.evictions >= 3
+        # Measured sizes outlive the broker: the next one can reserve them.
+        assert broker.export_sizes()["torch"]["large"] == {SPACE: estimate(768)}
     assert not plugin.live, "closing the cache released every module"
     return plugin
 

@@ -481,14 +481,15 @@ class Core:
             if self.canon:
                 need = self._canonical(need)
             self._check_fit(owner, key, need)
-            mine = self._leased_by(task, need)
+            mine = self._leased_by(task, need, queued=bool(self.queue))
             self._check_deadlock(owner, key, need, mine)
             entry = self._create(owner, key, need, unknown=unknown, loading=loading)
             entry.declared_cost = cost
             self._count_request(entry)
         else:
             self._check_cycle(owner, key, entry, loading)
-            mine = self._leased_by(task, entry.need) if entry.state is State.WAITING else []
+            waiting = entry.state is State.WAITING
+            mine = self._leased_by(task, entry.need, queued=len(self.queue) > 1) if waiting else []
             self._check_deadlock(owner, key, entry.need, mine)
             self._count_request(entry)
         ticket = Ticket(entry, task, loading)
@@ -621,9 +622,15 @@ class Core:
         ):
             self._grant(entry)
 
-    def _leased_by(self, task: object, need: Mapping[str, int]) -> list[Entry]:
-        """The entries ``task`` holds leases on in the spaces of ``need``."""
+    def _leased_by(self, task: object, need: Mapping[str, int], *, queued: bool) -> list[Entry]:
+        """The entries ``task`` holds leases on in the spaces of ``need``.
+
+        Only wanted when the request may wait: it does not fit now (deadlock
+        detection), or others are queued ahead of it (it may have to pass them).
+        """
         if not self.busy or not need:
+            return []
+        if not queued and all(self.spaces[s].fits(n) for s, n in need.items()):
             return []
         return [
             entry
