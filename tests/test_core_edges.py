@@ -94,6 +94,27 @@ def test_nested_unknown_load_passes_the_gate_held_by_its_own_loader() -> None:
     h.core.check()
 
 
+def test_unknown_load_of_a_lease_holder_does_not_wait_for_a_turn_that_waits_for_it() -> None:
+    h = Harness({"m": 100})
+    x = h.core.request(h.owner, "x", None, "B")
+    h.drain()
+    h.finish(x.entry, measured={"m": 60})  # B holds x (60)
+    first = h.core.request(h.owner, "u1", None, "A")  # reserves 60: waits for x's lease
+    h.drain()
+    assert first.entry.state is State.WAITING
+    second = h.core.request(h.owner, "u2", None, "B")  # B must not wait behind u1
+    h.drain()
+    assert second.entry.state is State.LOADING
+    assert second.entry.charge == {}
+    joined = h.core.request(h.owner, "u3", None, "C")  # an ordinary request waits its turn
+    h.drain()
+    assert joined.entry.gated
+    h.core.request(h.owner, "u3", None, "B")  # until a lease holder joins it
+    h.drain()
+    assert not joined.entry.gated
+    h.core.check()
+
+
 # ---------------------------------------------------- waiting on oneself
 
 

@@ -452,6 +452,9 @@ class Core:
         reserving the largest size its cache has measured in each space, so
         unknown loads never overshoot the budget together: at most one load's
         error is on the books at a time, and its measurement corrects them.
+        Only a request from inside a loader, or from a task holding a lease,
+        does not wait for its turn (it reserves nothing): the load whose turn
+        it is may be waiting for that loader's reservation or that lease.
         ``loading`` names the entries whose loader makes this request.
 
         Raises:
@@ -483,11 +486,14 @@ class Core:
             self._check_fit(owner, key, need)
             mine = self._leased_by(task, need, queued=bool(self.queue))
             self._check_deadlock(owner, key, need, mine)
-            entry = self._create(owner, key, need, unknown=unknown, loading=loading)
+            urgent = unknown and (bool(loading) or self._holds_any(task))
+            entry = self._create(owner, key, need, unknown=unknown, urgent=urgent)
             entry.declared_cost = cost
             self._count_request(entry)
         else:
             self._check_cycle(owner, key, entry, loading)
+            if entry.gated and (loading or self._holds_any(task)):
+                self._hurry(entry)
             waiting = entry.state is State.WAITING
             mine = self._leased_by(task, entry.need, queued=len(self.queue) > 1) if waiting else []
             self._check_deadlock(owner, key, entry.need, mine)
@@ -536,7 +542,7 @@ class Core:
         need: dict[str, int],
         *,
         unknown: bool = False,
-        loading: tuple[Entry, ...] = (),
+        urgent: bool = False,
     ) -> Entry:
         entry = Entry(owner, key, need)
         current = owner.entries.get(key)
@@ -551,15 +557,32 @@ class Core:
             self._enqueue(entry)
             return entry
         entry.unknown = True
-        if self._unknown is None:
+        if urgent:
+            self._enqueue(entry)
+        elif self._unknown is None:
             self._unknown = entry
-            self._pass_gate(entry)
-        elif self._unknown in loading:  # Its loader needs it: waiting would be a deadlock.
             self._pass_gate(entry)
         else:
             entry.gated = True
             self._gate[entry] = None
         return entry
+
+    def _holds_any(self, task: object) -> bool:
+        """Whether ``task`` holds a lease (on anything)."""
+        return any(task in entry.holders for entry in self.busy)
+
+    def _hurry(self, entry: Entry) -> None:
+        """Take a load of unknown size out of the gate's line: load it now, reserving nothing.
+
+        For a request from inside a loader or from a task holding a lease: the
+        load whose turn it is may be waiting for that loader's reservation or
+        that lease, so waiting for the gate could be a deadlock. Its
+        measurement corrects the books (and evicts) as soon as it is loaded.
+        """
+        del self._gate[entry]
+        _shrink_if_empty(self._gate)
+        entry.gated = False
+        self._enqueue(entry)
 
     def _enqueue(self, entry: Entry) -> None:
         entry.queued_tick = self.tick
