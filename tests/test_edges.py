@@ -339,3 +339,32 @@ async def test_acquire_times_out_while_its_own_request_is_the_only_waiter() -> N
             gate.set()
         broker._core.check()
         assert (await broker.stats()).waiting == 0
+
+
+async def test_loop_of_hits_lets_other_tasks_run_on_trio(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    """trio: every async operation is a checkpoint; a hit is a schedule point now and then."""
+    if anyio_backend[0] != "trio":
+        pytest.skip("asyncio: an uncontended hit completes without suspending, by design")
+    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+        await (await cache.acquire("k", load=loader(1), size=10)).release()
+        ticks = 0
+        done = False
+
+        async def sibling() -> None:
+            nonlocal ticks
+            while not done:
+                ticks += 1
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sibling)
+            await anyio.lowlevel.checkpoint()
+            before = ticks
+            for _ in range(20_000):
+                async with cache.acquire("k", load=loader(1), size=10):
+                    pass
+            during = ticks - before
+            done = True
+        assert during >= 20_000 // 32 - 1, during

@@ -416,9 +416,7 @@ class Broker:
         self._thread = get_ident()
         self._call_soon = _call_soon_threadsafe(backend)
         if backend == "trio":
-            import trio
-
-            self._checkpoint = trio.lowlevel.checkpoint_if_cancelled
+            self._checkpoint = _trio_hit_checkpoint()
         if self._user_clock is None:
             self._clock = _loop_clock(backend)
         self._log = _logging.open_events(self._logger)
@@ -1422,7 +1420,8 @@ class Cache:
         Cancellation: cancelling the caller while it waits withdraws its request;
         the shared load goes on for the other requesters and is cancelled (its
         reservation returned) when the last one leaves. On trio a cache hit is a
-        cancellation point; on asyncio a hit completes without suspending.
+        cancellation point, and every 32nd one a schedule point too; on
+        asyncio a hit completes without suspending.
         """
         if cost is None and idle_ttl is None and pin is False and measure is None:
             return Lease(self, key, load, size, timeout)  # The hit path's usual call.
@@ -1920,6 +1919,34 @@ def _running_backend() -> str:
     except ImportError:  # trio depends on sniffio: without it, only asyncio can run
         return "asyncio"
     return sniffio.current_async_library()
+
+
+#: On trio, one hit in this many is a full checkpoint (a schedule point too).
+TRIO_SCHEDULE_EVERY = 32
+
+
+def _trio_hit_checkpoint() -> Callable[[], Awaitable[None]]:
+    """What a hit awaits on trio: a cancellation point, and a schedule point every so often.
+
+    trio's rule is that every async operation of a library is a checkpoint.
+    A full one on every hit would double the hit's cost, so a hit is always
+    a cancellation point and, every ``TRIO_SCHEDULE_EVERY`` hits, a schedule
+    point too: a loop of hits cannot starve the other tasks (as trio's own
+    fast paths do it).
+    """
+    import itertools
+
+    import trio
+
+    if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+    full = trio.lowlevel.checkpoint
+    count = itertools.count(1)
+    mask = TRIO_SCHEDULE_EVERY - 1
+
+    def checkpoint() -> Awaitable[None]:
+        return if_cancelled() if next(count) & mask else full()
+
+    return checkpoint
 
 
 def _call_soon_threadsafe(backend: str) -> Callable[..., object]:
