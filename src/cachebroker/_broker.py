@@ -24,13 +24,23 @@ import functools
 import inspect
 import logging
 import math
+import numbers
 import os
 import warnings
 from collections.abc import Awaitable, Callable, Generator, Hashable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from threading import get_ident
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar, cast, overload, runtime_checkable
+from typing import (
+    Any,
+    Generic,
+    Protocol,
+    SupportsIndex,
+    TypeVar,
+    cast,
+    overload,
+    runtime_checkable,
+)
 
 import anyio
 import anyio.abc
@@ -99,7 +109,9 @@ class Releaser(Protocol):
 ReleaseFunction = Callable[[Any, Any], Awaitable[None]]
 #: ``listener(event, fields)``: see ``Broker.add_listener``.
 Listener = Callable[[str, Mapping[str, Any]], None]
-SizeSpec = int | str | Mapping[str, int | str] | Callable[[Any], Any] | None
+#: Bytes: an ``int`` (numpy integers too), a whole ``float``, or ``"3GiB"``.
+Quantity = SupportsIndex | float | str
+SizeSpec = Quantity | Mapping[str, Quantity] | Callable[[Any], Any] | None
 BudgetValue = int | str | Probe | Callable[[], tuple[int, int]]
 
 
@@ -324,8 +336,10 @@ class Broker:
         if isinstance(oom_retries, bool) or not isinstance(oom_retries, int) or oom_retries < 0:
             raise InvalidArgument(f"oom_retries must be a non-negative int, got {oom_retries!r}")
         self._oom_retries = oom_retries
-        self._idle_ttl = _positive_seconds(idle_ttl, "idle_ttl")
-        self._release_timeout = _positive_seconds(release_timeout, "release_timeout")
+        self._idle_ttl = _positive_seconds(idle_ttl, "idle_ttl", inf_is_none=True)
+        self._release_timeout = _positive_seconds(
+            release_timeout, "release_timeout", inf_is_none=True
+        )
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         self._core = Core(
@@ -1509,7 +1523,7 @@ class Cache:
         if not callable(load):
             raise TypeError(f"load must be a callable taking no argument, got {load!r}")
         if timeout is not None:
-            timeout = _positive_seconds(timeout, "timeout")
+            timeout = _positive_seconds(timeout, "timeout", inf_is_none=True)
         if callable(size):
             measure, size = size, None
         need = None if size is None and measure is not None else parse_size(size, broker._budget)
@@ -1802,21 +1816,25 @@ _DONE = cast(Awaitable[None], _Done())
 
 
 def _non_negative_seconds(value: object, what: str, *, allow_inf: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds, got {value!r}")
     if math.isnan(value) or value < 0 or (math.isinf(value) and not allow_inf):
         raise InvalidArgument(f"{what} must be a non-negative number of seconds, got {value!r}")
     return float(value)
 
 
-def _positive_seconds(value: object, what: str) -> float | None:
+def _positive_seconds(value: object, what: str, *, inf_is_none: bool = False) -> float | None:
+    """``value`` as positive seconds; ``None`` (and ``math.inf`` where allowed) for "no limit"."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds or None, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
+    seconds = float(value)
+    if seconds == math.inf and inf_is_none:
+        return None
+    if not math.isfinite(seconds) or seconds <= 0:
         raise InvalidArgument(f"{what} must be a positive number of seconds or None, got {value!r}")
-    return float(value)
+    return seconds
 
 
 def _own_copy(error: BaseException) -> BaseException:

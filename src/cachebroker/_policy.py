@@ -25,6 +25,8 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import closing
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from ._errors import InvalidArgument
+
 if TYPE_CHECKING:
     from ._core import Entry
 
@@ -508,7 +510,9 @@ def make_policy(policy: str | Policy) -> Policy:
     if isinstance(policy, str):
         factory = _BUILTIN.get(policy.strip().lower())
         if factory is None:
-            raise ValueError(f"unknown policy {policy!r}; built-in policies are {sorted(_BUILTIN)}")
+            raise InvalidArgument(
+                f"unknown policy {policy!r}; built-in policies are {sorted(_BUILTIN)}"
+            )
         return factory()
     if isinstance(policy, Policy):
         return policy

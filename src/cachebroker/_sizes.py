@@ -8,8 +8,10 @@ value fails the same way: an ``InvalidArgument`` (a ``ValueError``) or a
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Mapping
+from fractions import Fraction
 
 from ._errors import InvalidArgument
 
@@ -45,16 +47,18 @@ def parse_bytes(value: object, *, what: str = "size") -> int:
     """
     if isinstance(value, bool):
         raise TypeError(f"{what} must be a number of bytes or a string like '24GiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
+    if isinstance(value, numbers.Integral):  # int, and numpy's integers (``a.size * a.itemsize``)
+        amount = int(value)
+        if amount < 0:
             raise InvalidArgument(f"{what} must not be negative, got {value}")
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value) or value < 0 or not value.is_integer():
+        return amount
+    if isinstance(value, numbers.Real):  # float, and numpy's floats
+        number = float(value)
+        if not math.isfinite(number) or number < 0 or not number.is_integer():
             raise InvalidArgument(
                 f"{what} must be a whole, non-negative number of bytes, got {value!r}"
             )
-        return int(value)
+        return int(number)
     if isinstance(value, str):
         match = _QUANTITY.match(value)
         unit = match.group("unit").lower() if match else ""
@@ -63,7 +67,8 @@ def parse_bytes(value: object, *, what: str = "size") -> int:
                 f"{what} {value!r} is not a byte quantity; expected a number with an "
                 "optional unit such as '512MiB', '24GiB' or '1.5GB'"
             )
-        return round(float(match.group("num")) * _UNITS[unit])
+        # Exact for any number of digits (a float would overflow or round).
+        return round(Fraction(match.group("num")) * _UNITS[unit])
     raise TypeError(
         f"{what} must be an int or a string like '24GiB', got {type(value).__name__} {value!r}"
     )
