@@ -13,6 +13,14 @@ from cachebroker import DeadlockError, OutOfSpace, RequestTooLarge
 from cachebroker._core import FAIR_REQUESTS, Reason, State
 from tests.harness import Harness
 
+
+def resident(h: Harness, key: str, size: int) -> None:
+    """Load ``key`` and end its lease: an idle entry of ``size`` bytes."""
+    ticket = h.acquire(key, size)
+    h.finish(ticket.entry)
+    h.end(ticket)
+
+
 # ------------------------------------------------------------ measured sizes
 
 
@@ -71,9 +79,7 @@ def test_measured_size_is_remembered_across_evictions_and_reserved() -> None:
 
 def test_measured_size_above_what_quarantine_leaves_is_refused() -> None:
     h = Harness({"m": 100})
-    q = h.acquire("q", 60)
-    h.finish(q.entry)
-    h.end(q)
+    resident(h, "q", 60)
     h.core.invalidate(h.owner, "q")
     h.drain()
     h.refuse(h.releasing[0])
@@ -165,9 +171,7 @@ def test_loaders_waiting_on_each_other_are_a_deadlock() -> None:
 
 def test_waiter_that_only_forget_could_serve_is_refused_and_does_not_block_others() -> None:
     h = Harness({"m": 100})
-    a = h.acquire("a", 70)
-    h.finish(a.entry)
-    h.end(a)
+    resident(h, "a", 70)
     big = h.acquire("big", 60)  # evicts a
     small = h.acquire("small", 20)  # behind big in FIFO
     assert (big.outcome, small.outcome) == (None, None)
@@ -184,13 +188,12 @@ def test_waiter_that_only_forget_could_serve_is_refused_and_does_not_block_other
 
 def test_forget_makes_room_again() -> None:
     h = Harness({"m": 100})
-    a = h.acquire("a", 70)
-    h.finish(a.entry)
-    h.end(a)
+    resident(h, "a", 70)
+    (entry,) = h.owner.live
     h.core.invalidate(h.owner, "a")
     h.drain()
     h.refuse(h.releasing[0])
-    h.core.forget(a.entry)
+    h.core.forget(entry)
     assert h.acquire("b", 90).entry.state is State.LOADING
     h.core.check()
 
