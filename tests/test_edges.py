@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Hashable
+import time
+from collections.abc import Hashable, MutableMapping
 from typing import Any
 
 import anyio
@@ -368,3 +369,40 @@ async def test_loop_of_hits_lets_other_tasks_run_on_trio(
             during = ticks - before
             done = True
         assert during >= 20_000 // 32 - 1, during
+
+
+# ------------------------------------------------------- blocking releases
+
+
+async def test_releaser_that_blocks_the_loop_is_reported(
+    events: list[MutableMapping[str, Any]],
+) -> None:
+    class Blocking:
+        async def release(self, key: Hashable, value: Any) -> None:
+            await anyio.lowlevel.checkpoint()
+            time.sleep(0.06)  # noqa: ASYNC251 - a gc.collect() or device sync on the loop
+
+    async with Broker(budget=100, blocking_warning=0.05) as broker:
+        async with broker.cache("p", Blocking()) as cache:
+            await (await cache.acquire("a", load=loader(1), size=10)).release()
+            await cache.invalidate("a")
+            assert (await broker.stats()).releases_blocking == 1
+    (warning,) = [e for e in events if e["event"] == "cachebroker.release.blocking"]
+    assert (warning["cache"], warning["key"], warning["log_level"]) == ("p", "a", "warning")
+    assert warning["seconds"] >= 0.06
+
+
+async def test_releaser_that_yields_is_not_reported(
+    events: list[MutableMapping[str, Any]],
+) -> None:
+    class Yielding:
+        async def release(self, key: Hashable, value: Any) -> None:
+            for _ in range(100):
+                await anyio.lowlevel.checkpoint()
+
+    async with Broker(budget=100, blocking_warning=1.0) as broker:
+        async with broker.cache("p", Yielding()) as cache:
+            await (await cache.acquire("a", load=loader(1), size=10)).release()
+            await cache.invalidate("a")
+            assert (await broker.stats()).releases_blocking == 0
+    assert not [e for e in events if e["event"] == "cachebroker.release.blocking"]

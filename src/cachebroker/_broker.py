@@ -26,8 +26,17 @@ import logging
 import math
 import numbers
 import os
+import time
 import warnings
-from collections.abc import Awaitable, Callable, Generator, Hashable, Iterable, Mapping
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Hashable,
+    Iterable,
+    Mapping,
+)
 from contextlib import AbstractAsyncContextManager
 from threading import get_ident
 from types import TracebackType
@@ -303,6 +312,11 @@ class Broker:
             them (``None`` or 0: do not wait).
         probe_interval: Seconds between re-reads of probed spaces on the
             broker's timer (they are also re-read before every miss).
+        blocking_warning: Seconds a releaser may run without yielding to the
+            event loop before ``cachebroker.release.blocking`` is logged (a
+            releaser runs on the loop: ``gc.collect()`` or a device
+            synchronisation there stalls every other task; offload them with
+            ``anyio.to_thread.run_sync``). ``None`` turns the check off.
         sizes: Measured sizes to start from, as ``export_sizes()`` returned
             them from a previous broker: ``{cache: {key: size}}``, each size
             as for ``acquire(size=...)``. A load sized by measurement reserves
@@ -325,6 +339,7 @@ class Broker:
         aliases: Iterable[Iterable[str]] = (),
         alias_threshold: int = 3,
         sizes: Mapping[str, Mapping[Any, Any]] | None = None,
+        blocking_warning: float | None = 0.1,
         memory_wait: float | None = 5.0,
         probe_interval: float = 1.0,
     ) -> None:
@@ -340,6 +355,10 @@ class Broker:
         self._release_timeout = _positive_seconds(
             release_timeout, "release_timeout", inf_is_none=True
         )
+        self._blocking_warning = _positive_seconds(
+            blocking_warning, "blocking_warning", inf_is_none=True
+        )
+        self._releases_blocking = 0
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         self._core = Core(
@@ -632,6 +651,7 @@ class Broker:
             releases={reason.value: n for reason, n in core.evictions.items()},
             releases_failed=core.releases_failed,
             releases_timed_out=self._release_timeouts,
+            releases_blocking=self._releases_blocking,
             waiting=waiting,
             loading=counts[State.LOADING],
             ready=counts[State.READY],
@@ -1065,7 +1085,7 @@ class Broker:
         self._releasing_tasks.add(task)
         try:
             probed = self._free_before(entry)
-            await cache._release(entry.key, entry.value)
+            await self._released(cache, entry)
             if probed:
                 await self._wait_for_memory(entry, probed)
         except BaseException as exc:
@@ -1092,6 +1112,28 @@ class Broker:
             self._apply()
             assert slot.released is not None
             slot.released.set()
+
+    async def _released(self, cache: Cache, entry: Entry) -> None:
+        """Run the releaser; warn if one of its steps blocked the event loop too long."""
+        release = cache._release(entry.key, entry.value)
+        limit = self._blocking_warning
+        if limit is None or not inspect.iscoroutine(release):
+            await release
+            return
+        timed = _TimedSteps(release)
+        try:
+            await timed
+        finally:
+            if timed.longest > limit:
+                self._releases_blocking += 1
+                self._emit(
+                    "warning",
+                    ev.RELEASE_BLOCKING,
+                    cache=cache.name,
+                    key=entry.key,
+                    seconds=round(timed.longest, 6),
+                    limit=limit,
+                )
 
     def _release_failed(self, entry: Entry, exc: BaseException) -> bool:
         """Book a release that raised ``exc`` (quarantined); return whether it must propagate."""
@@ -1799,6 +1841,38 @@ _RELEASED = _Marker("<released>")
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+class _TimedSteps:
+    """Await a coroutine, timing each of its steps (how long it held the event loop).
+
+    Each value the coroutine yields goes to the event loop and each answer
+    back, as ``await`` would do; only the wall-clock time of every step is
+    taken, and the longest kept.
+    """
+
+    __slots__ = ("_coro", "longest")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._coro = coro
+        self.longest = 0.0
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro = self._coro
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            started = time.perf_counter()
+            try:
+                yielded = coro.send(value) if error is None else coro.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                self.longest = max(self.longest, time.perf_counter() - started)
+            try:
+                value, error = (yield yielded), None
+            except BaseException as exc:  # (cancellation too: the coroutine gets it)
+                value, error = None, exc
 
 
 class _Done(tuple):  # type: ignore[type-arg]

@@ -26,6 +26,7 @@ RELEASE_FAILED: Final = "cachebroker.release.failed"
 QUARANTINE_FORGOTTEN: Final = "cachebroker.quarantine.forgotten"
 ALIAS_LEARNED: Final = "cachebroker.alias.learned"
 MEMORY_SLOW: Final = "cachebroker.release.memory_slow"
+RELEASE_BLOCKING: Final = "cachebroker.release.blocking"
 LISTENER_FAILED: Final = "cachebroker.listener.failed"
 PROBE_FAILED: Final = "cachebroker.probe.failed"
 
@@ -45,6 +46,7 @@ ALL: Final = (
     QUARANTINE_FORGOTTEN,
     ALIAS_LEARNED,
     MEMORY_SLOW,
+    RELEASE_BLOCKING,
     LISTENER_FAILED,
     PROBE_FAILED,
 )

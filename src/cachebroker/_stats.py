@@ -33,6 +33,8 @@ class Stats:
         releases_failed: Releases that raised or timed out (now quarantined).
         releases_timed_out: Those of ``releases_failed`` that were not
             acknowledged within ``release_timeout``.
+        releases_blocking: Releases that blocked the event loop for longer
+            than ``Broker(blocking_warning=...)`` in one step.
         waiting: Requests queued for space.
         loading: Entries whose load is running.
         ready: Entries loaded and usable (idle or leased).
@@ -57,6 +59,7 @@ class Stats:
     releases: Mapping[str, int]
     releases_failed: int
     releases_timed_out: int = 0
+    releases_blocking: int = 0
     waiting: int
     loading: int
     ready: int

@@ -198,6 +198,11 @@ class BrokerMetrics(Collector):
                 "Releases not acknowledged within release_timeout.",
                 stats.releases_timed_out,
             ),
+            (
+                "releases_blocking",
+                "Releases that blocked the event loop longer than blocking_warning in one step.",
+                stats.releases_blocking,
+            ),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{ns}_{name}", doc, value=value)
