@@ -370,18 +370,42 @@ def test_cli_errors_are_clear(
     with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--trace", str(trace_file), *args])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert "usage:" not in err and "(see cachebroker simulate --help)" in err
 
 
-def test_cli_bad_trace_and_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_usage_errors_still_print_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--idle-ttl", "soon"])
+    assert exit_info.value.code == 2
+    assert "usage: cachebroker simulate" in capsys.readouterr().err
+
+
+def test_cli_bad_trace_prints_the_error_alone_with_a_hint_to_help(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad.csv"
     bad.write_text("time,key,size,load_seconds\n0,a,10,slow\n")
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--trace", str(bad), "--budget", "1GiB"])
-    assert "bad.csv, line 2, column 'load_seconds'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"cachebroker simulate: error: {bad}, line 2, column 'load_seconds': "
+        "expected a non-negative number of seconds, got 'slow'",
+        "(see cachebroker simulate --help)",
+    ]
+
+
+def test_cli_missing_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--trace", str(tmp_path / "none.csv"), "--budget", "1GiB"])
-    assert "none.csv: No such file or directory" in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "none.csv: No such file or directory" in err
+    assert "usage:" not in err
 
 
 def test_cli_builtin_workload(capsys: pytest.CaptureFixture[str]) -> None:

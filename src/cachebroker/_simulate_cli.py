@@ -8,7 +8,7 @@ import json
 import math
 import sys
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from ._errors import InvalidArgument
 from ._sizes import format_bytes, parse_bytes
@@ -134,9 +134,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.plot is not None:
             plot(comparisons, args.plot)
     except OSError as exc:
-        parser.error(f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
+        _fail(parser, f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
     except (InvalidArgument, TypeError, ValueError) as exc:
-        parser.error(str(exc))
+        _fail(parser, str(exc))
     if args.json:
         json.dump(rows(comparisons), sys.stdout, indent=2)
         print()
@@ -145,6 +145,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.plot is not None:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Exit with status 2 and ``message`` alone on standard error.
+
+    The arguments parsed, so the usage block would only bury the message
+    (a trace error names its line and column); a hint to ``--help`` replaces it.
+    """
+    parser.exit(2, f"{parser.prog}: error: {message}\n(see {parser.prog} --help)\n")
 
 
 def _budgets(values: list[str]) -> list[Any]:
