@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -326,6 +327,21 @@ def test_cli_json_output(trace_file: Path, capsys: pytest.CaptureFixture[str]) -
     assert first["bound_method"] == "exact"
     assert first["waited_requests"] == 0
     assert all(r["bound_reload_seconds"] <= r["reload_seconds"] for r in results)
+
+
+def test_cli_json_rounds_seconds_and_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    # The built-in workload's load times sum to floats such as 10083.599999999984.
+    args = ["simulate", "--budget", "56GiB,64GiB", "--policy", "lru,cost", "--no-bound", "--json"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    results = json.loads(text)
+    assert [list(row) for row in results] == [list(results[0])] * len(results)
+    assert not re.search(r"\.\d{5,}", text), "a float with a long tail"
+    for row in results:
+        for key in ("reload_seconds", "all_loads_seconds", "mean_wait_seconds"):
+            assert row[key] == round(row[key], 3)
+        assert row["hit_ratio"] == round(row["hit_ratio"], 4)
+        assert row["hit_ratio"] == pytest.approx(row["hits"] / row["requests"], abs=5e-5)
 
 
 def test_cli_table_and_plot(

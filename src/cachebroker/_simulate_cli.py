@@ -179,10 +179,15 @@ def _budgets(values: list[str]) -> list[Any]:
 
 
 def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
-    """One JSON-ready object per (policy, budget)."""
+    """One JSON-ready object per (policy, budget), with the same keys in the same order.
+
+    Seconds are rounded to the millisecond and ratios to 4 decimals: sums of
+    load times carry float noise (``10083.599999999984``) that means nothing.
+    """
     out = []
     for comparison in comparisons:
         bound = comparison.bound
+        optimum = None if bound is None else _seconds(bound.reload_seconds)
         budget: int | dict[str, int] = dict(comparison.budget)
         if len(comparison.budget) == 1:
             budget = next(iter(comparison.budget.values()))
@@ -194,20 +199,28 @@ def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
                     "budget_label": comparison.label,
                     "requests": result.requests,
                     "hits": result.hits,
-                    "hit_ratio": result.hit_ratio,
+                    "hit_ratio": _ratio(result.hit_ratio),
                     "misses": result.misses,
-                    "reload_seconds": result.reload_seconds,
-                    "all_loads_seconds": result.all_loads_seconds,
+                    "reload_seconds": _seconds(result.reload_seconds),
+                    "all_loads_seconds": _seconds(result.all_loads_seconds),
                     "bytes_loaded": result.bytes_loaded,
                     "evictions": result.evictions,
                     "waited_requests": result.waited,
-                    "mean_wait_seconds": result.mean_wait,
-                    "p99_wait_seconds": result.p99_wait,
-                    "bound_reload_seconds": None if bound is None else bound.reload_seconds,
+                    "mean_wait_seconds": _seconds(result.mean_wait),
+                    "p99_wait_seconds": _seconds(result.p99_wait),
+                    "bound_reload_seconds": optimum,
                     "bound_method": None if bound is None else bound.method,
                 }
             )
     return out
+
+
+def _seconds(value: float) -> float:
+    return round(value, 3) + 0.0  # + 0.0 turns a solver's -0.0 into 0.0
+
+
+def _ratio(value: float) -> float:
+    return round(value, 4) + 0.0
 
 
 def _percent(part: float, whole: float) -> str:
