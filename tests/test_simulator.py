@@ -20,6 +20,7 @@ from cachebroker.simulator import (
     Request,
     TraceError,
     builtin_workload,
+    figure,
     offline_bound,
     parse_trace,
     plot,
@@ -300,8 +301,26 @@ def test_builtin_workload_is_the_documented_one() -> None:
 def test_plot_is_written(tmp_path: Path) -> None:
     comparisons = simulate(spaced("ABCABD"), [20, 30, 40])
     path = tmp_path / "plot.png"
-    plot(comparisons, path)
+    plot(comparisons, path, title="t.csv: 6 requests")
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_figure_draws_reloads_hit_ratio_and_waits_under_a_title() -> None:
+    # A is held 10 s after its 1 s load; B needs A's room and waits 9 s.
+    trace = [req(0, "A", load=1, hold=10), req(2, "B", load=1)]
+    comparisons = simulate(trace, [10, 20], ["lru", "cost"])
+    drawn = figure(comparisons, title="t.csv: 2 requests")
+    assert drawn.get_suptitle() == "t.csv: 2 requests"
+    reloads, ratios, waits = drawn.axes
+    assert reloads.get_title() == "Reload time" and ratios.get_title() == "Hit ratio"
+    assert waits.get_title() == "Wait for space: mean (solid), p99 (dashed)"
+    lru_mean, lru_p99, cost_mean, cost_p99 = waits.lines
+    assert lru_mean.get_ydata() == pytest.approx([4.5, 0.0])  # at 10 bytes, then at 20
+    assert lru_p99.get_ydata() == pytest.approx([9.0, 0.0])
+    assert lru_mean.get_color() == lru_p99.get_color() != cost_mean.get_color()
+    assert cost_p99.get_linestyle() == "--"
+    assert [line.get_label() for line in reloads.lines] == ["lru", "cost", "optimum"]
+    assert figure(comparisons).get_suptitle() == "2 requests"
 
 
 # ------------------------------------------------------------------ command line
@@ -354,6 +373,24 @@ def test_cli_table_and_plot(
     assert "trace.csv: 10 requests" in out
     assert "optimum" in out and "gdsf" in out and "vs optimum" in out
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_cli_plot_is_titled_by_the_workload(
+    trace_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cachebroker._simulate_cli as cli
+
+    titles: list[str] = []
+    monkeypatch.setattr(cli, "plot", lambda comparisons, path, *, title: titles.append(title))
+    png = str(tmp_path / "out.png")
+    assert main(["simulate", "--trace", str(trace_file), "--budget", "20", "--plot", png]) == 0
+    assert (
+        main(["simulate", "--budget", "72GiB", "--policy", "lru", "--no-bound", "--plot", png]) == 0
+    )
+    assert titles == [
+        "trace.csv: 10 requests",
+        "built-in: Azure LLM 2023 code trace, 2,000 requests (seed 1)",
+    ]
 
 
 def test_cli_several_spaces_without_bound(

@@ -8,6 +8,7 @@ import json
 import math
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO, Any, NoReturn
 
 from ._errors import InvalidArgument
@@ -16,6 +17,7 @@ from .simulator import (
     BUDGETS,
     POLICIES,
     Comparison,
+    Request,
     builtin_workload,
     plot,
     read_trace,
@@ -69,7 +71,9 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
-        "--plot", metavar="FILE.png", help="draw reload seconds and hit ratio against budget"
+        "--plot",
+        metavar="FILE.png",
+        help="draw reload seconds, hit ratio and the wait for space against budget",
     )
     parser.add_argument(
         "--no-bound", action="store_true", help="skip the offline optimum (it needs scipy)"
@@ -90,18 +94,7 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run ``cachebroker simulate`` with parsed ``args``; return the exit status."""
     try:
-        if args.trace is not None:
-            requests = read_trace(args.trace)
-            if not requests:
-                raise InvalidArgument(f"{args.trace}: the trace has a header but no request")
-            source = args.trace
-            budgets: list[Any] = _budgets(args.budget) if args.budget else []
-            if not budgets:
-                raise InvalidArgument("--trace needs --budget: the budgets to compare")
-        else:
-            requests = builtin_workload(args.seed)
-            source = f"built-in workload (seed {args.seed})"
-            budgets = _budgets(args.budget) if args.budget else list(BUDGETS)
+        requests, source, budgets = _workload(args)
         policies = [name.strip() for name in args.policy.split(",") if name.strip()]
         budgets = resolve_budgets(budgets, requests)
         if args.idle_ttl is not None and not (args.idle_ttl > 0 and math.isfinite(args.idle_ttl)):
@@ -132,7 +125,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 progress=step,
             )
         if args.plot is not None:
-            plot(comparisons, args.plot)
+            plot(comparisons, args.plot, title=_plot_title(args, len(requests)))
     except OSError as exc:
         _fail(parser, f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
     except (InvalidArgument, TypeError, ValueError) as exc:
@@ -145,6 +138,25 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.plot is not None:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _workload(args: argparse.Namespace) -> tuple[list[Request], str, list[Any]]:
+    """The requests to replay, their name for the table, and the budgets asked for."""
+    if args.trace is None:
+        budgets = _budgets(args.budget) if args.budget else list(BUDGETS)
+        return builtin_workload(args.seed), f"built-in workload (seed {args.seed})", budgets
+    requests = read_trace(args.trace)
+    if not requests:
+        raise InvalidArgument(f"{args.trace}: the trace has a header but no request")
+    if not args.budget:
+        raise InvalidArgument("--trace needs --budget: the budgets to compare")
+    return requests, args.trace, _budgets(args.budget)
+
+
+def _plot_title(args: argparse.Namespace, requests: int) -> str:
+    if args.trace is None:
+        return f"built-in: Azure LLM 2023 code trace, {requests:,} requests (seed {args.seed})"
+    return f"{Path(args.trace).name}: {requests:,} requests"
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
