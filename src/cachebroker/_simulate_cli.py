@@ -106,13 +106,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         bound = not args.no_bound
         if bound and not _has("scipy"):
             print(
-                "note: the offline optimum needs scipy (pip install 'cachebroker[sim]'); "
-                "showing the policies alone",
+                "note: the offline optimum needs scipy (pip install scipy, cachebroker's "
+                "'sim' extra); showing the policies alone",
                 file=sys.stderr,
             )
             bound = False
         if args.plot is not None and not _has("matplotlib"):
-            raise InvalidArgument("--plot needs matplotlib: pip install 'cachebroker[sim]'")
+            raise InvalidArgument(
+                "--plot needs matplotlib: pip install matplotlib (cachebroker's 'sim' extra)"
+            )
         steps = len(budgets) * (len(policies) + bound)
         with _progress(steps) as step:
             comparisons = simulate(

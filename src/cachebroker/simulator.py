@@ -11,8 +11,8 @@ each budget's results beside the offline optimum. The command line
         for result in comparison.results:
             print(comparison.label, result.policy, result.reload_seconds)
 
-The optimum and ``plot`` need the ``sim`` extra (scipy, matplotlib):
-``pip install 'cachebroker[sim]'``.
+The optimum, ``figure`` and ``plot`` need the ``sim`` extra (scipy,
+matplotlib): ``pip install -e '.[sim]'`` in a checkout of cachebroker.
 """
 
 from __future__ import annotations
@@ -201,8 +201,7 @@ def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Fi
         from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - exercised without the extra
         raise ImportError(
-            "plots need matplotlib: pip install matplotlib "
-            "(or, in a checkout of cachebroker, pip install -e '.[sim]')"
+            "plots need matplotlib: pip install matplotlib (cachebroker's 'sim' extra)"
         ) from exc
     ordered = sorted(comparisons, key=lambda c: next(iter(c.budget.values())))
     gib = [next(iter(c.budget.values())) / 2**30 for c in ordered]
