@@ -21,11 +21,6 @@ async def test_demo_evicts_and_stays_within_budget() -> None:
     assert "final stats:" in text
 
 
-def test_cli_without_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([]) == 0
-    assert "demo" in capsys.readouterr().out
-
-
 def test_cli_rejects_bad_budget(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--budget", "much"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from cachebroker.simulator import (
     Request,
     TraceError,
     builtin_workload,
+    figure,
     offline_bound,
     parse_trace,
     plot,
@@ -299,8 +301,26 @@ def test_builtin_workload_is_the_documented_one() -> None:
 def test_plot_is_written(tmp_path: Path) -> None:
     comparisons = simulate(spaced("ABCABD"), [20, 30, 40])
     path = tmp_path / "plot.png"
-    plot(comparisons, path)
+    plot(comparisons, path, title="t.csv: 6 requests")
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_figure_draws_reloads_hit_ratio_and_waits_under_a_title() -> None:
+    # A is held 10 s after its 1 s load; B needs A's room and waits 9 s.
+    trace = [req(0, "A", load=1, hold=10), req(2, "B", load=1)]
+    comparisons = simulate(trace, [10, 20], ["lru", "cost"])
+    drawn = figure(comparisons, title="t.csv: 2 requests")
+    assert drawn.get_suptitle() == "t.csv: 2 requests"
+    reloads, ratios, waits = drawn.axes
+    assert reloads.get_title() == "Reload time" and ratios.get_title() == "Hit ratio"
+    assert waits.get_title() == "Wait for space: mean (solid), p99 (dashed)"
+    lru_mean, lru_p99, cost_mean, cost_p99 = waits.lines
+    assert lru_mean.get_ydata() == pytest.approx([4.5, 0.0])  # at 10 bytes, then at 20
+    assert lru_p99.get_ydata() == pytest.approx([9.0, 0.0])
+    assert lru_mean.get_color() == lru_p99.get_color() != cost_mean.get_color()
+    assert cost_p99.get_linestyle() == "--"
+    assert [line.get_label() for line in reloads.lines] == ["lru", "cost", "optimum"]
+    assert figure(comparisons).get_suptitle() == "2 requests"
 
 
 # ------------------------------------------------------------------ command line
@@ -328,6 +348,21 @@ def test_cli_json_output(trace_file: Path, capsys: pytest.CaptureFixture[str]) -
     assert all(r["bound_reload_seconds"] <= r["reload_seconds"] for r in results)
 
 
+def test_cli_json_rounds_seconds_and_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    # The built-in workload's load times sum to floats such as 10083.599999999984.
+    args = ["simulate", "--budget", "56GiB,64GiB", "--policy", "lru,cost", "--no-bound", "--json"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    results = json.loads(text)
+    assert [list(row) for row in results] == [list(results[0])] * len(results)
+    assert not re.search(r"\.\d{5,}", text), "a float with a long tail"
+    for row in results:
+        for key in ("reload_seconds", "all_loads_seconds", "mean_wait_seconds"):
+            assert row[key] == round(row[key], 3)
+        assert row["hit_ratio"] == round(row["hit_ratio"], 4)
+        assert row["hit_ratio"] == pytest.approx(row["hits"] / row["requests"], abs=5e-5)
+
+
 def test_cli_table_and_plot(
     trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -338,6 +373,24 @@ def test_cli_table_and_plot(
     assert "trace.csv: 10 requests" in out
     assert "optimum" in out and "gdsf" in out and "vs optimum" in out
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_cli_plot_is_titled_by_the_workload(
+    trace_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cachebroker._simulate_cli as cli
+
+    titles: list[str] = []
+    monkeypatch.setattr(cli, "plot", lambda comparisons, path, *, title: titles.append(title))
+    png = str(tmp_path / "out.png")
+    assert main(["simulate", "--trace", str(trace_file), "--budget", "20", "--plot", png]) == 0
+    assert (
+        main(["simulate", "--budget", "72GiB", "--policy", "lru", "--no-bound", "--plot", png]) == 0
+    )
+    assert titles == [
+        "trace.csv: 10 requests",
+        "built-in: Azure LLM 2023 code trace, 2,000 requests (seed 1)",
+    ]
 
 
 def test_cli_several_spaces_without_bound(
@@ -370,18 +423,42 @@ def test_cli_errors_are_clear(
     with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--trace", str(trace_file), *args])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert "usage:" not in err and "(see cachebroker simulate --help)" in err
 
 
-def test_cli_bad_trace_and_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_usage_errors_still_print_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--idle-ttl", "soon"])
+    assert exit_info.value.code == 2
+    assert "usage: cachebroker simulate" in capsys.readouterr().err
+
+
+def test_cli_bad_trace_prints_the_error_alone_with_a_hint_to_help(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad.csv"
     bad.write_text("time,key,size,load_seconds\n0,a,10,slow\n")
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--trace", str(bad), "--budget", "1GiB"])
-    assert "bad.csv, line 2, column 'load_seconds'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"cachebroker simulate: error: {bad}, line 2, column 'load_seconds': "
+        "expected a non-negative number of seconds, got 'slow'",
+        "(see cachebroker simulate --help)",
+    ]
+
+
+def test_cli_missing_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--trace", str(tmp_path / "none.csv"), "--budget", "1GiB"])
-    assert "none.csv: No such file or directory" in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "none.csv: No such file or directory" in err
+    assert "usage:" not in err
 
 
 def test_cli_builtin_workload(capsys: pytest.CaptureFixture[str]) -> None:

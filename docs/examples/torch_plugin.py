@@ -8,7 +8,7 @@ on CUDA, returns the cached blocks with ``torch.cuda.empty_cache()``; the
 blocking parts of both run in a worker thread, off the event loop. Runs on CPU
 (and on a GPU when one is present):
 
-    pip install torch 'cachebroker'
+    pip install -e . torch    # in a checkout of cachebroker
     python docs/examples/torch_plugin.py
 
 Why dropping the last reference is not enough: PyTorch's CUDA caching

@@ -27,13 +27,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command is None:  # usage on stderr, exit status 2, naming the commands
+        parser.error(f"name a command: {', '.join(commands.choices)} (see cachebroker --help)")
     if args.command == "simulate":
         from ._simulate_cli import run
 
         return run(args, commands.choices["simulate"])
-    if args.command != "demo":
-        parser.print_help()
-        return 0 if args.command is None else 2
     from ._demo import run_demo
     from ._sizes import parse_bytes
 

@@ -134,7 +134,7 @@ def offline_bound(
             reported instead.
 
     Raises:
-        ImportError: scipy is not installed (``pip install 'cachebroker[sim]'``).
+        ImportError: scipy is not installed (the ``sim`` extra).
         InvalidArgument: a request does not fit its space's whole budget.
     """
     try:
@@ -143,7 +143,7 @@ def offline_bound(
         from scipy.sparse import csr_array
     except ImportError as exc:  # pragma: no cover - exercised without the extra
         raise ImportError(
-            "the offline optimum needs scipy: pip install 'cachebroker[sim]'"
+            "the offline optimum needs scipy: pip install scipy (cachebroker's 'sim' extra)"
         ) from exc
     check_fits(requests, budget)
     started = time.perf_counter()

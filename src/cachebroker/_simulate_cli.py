@@ -8,7 +8,8 @@ import json
 import math
 import sys
 from collections.abc import Iterator
-from typing import IO, Any
+from pathlib import Path
+from typing import IO, Any, NoReturn
 
 from ._errors import InvalidArgument
 from ._sizes import format_bytes, parse_bytes
@@ -16,6 +17,7 @@ from .simulator import (
     BUDGETS,
     POLICIES,
     Comparison,
+    Request,
     builtin_workload,
     plot,
     read_trace,
@@ -69,7 +71,9 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
-        "--plot", metavar="FILE.png", help="draw reload seconds and hit ratio against budget"
+        "--plot",
+        metavar="FILE.png",
+        help="draw reload seconds, hit ratio and the wait for space against budget",
     )
     parser.add_argument(
         "--no-bound", action="store_true", help="skip the offline optimum (it needs scipy)"
@@ -90,18 +94,7 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run ``cachebroker simulate`` with parsed ``args``; return the exit status."""
     try:
-        if args.trace is not None:
-            requests = read_trace(args.trace)
-            if not requests:
-                raise InvalidArgument(f"{args.trace}: the trace has a header but no request")
-            source = args.trace
-            budgets: list[Any] = _budgets(args.budget) if args.budget else []
-            if not budgets:
-                raise InvalidArgument("--trace needs --budget: the budgets to compare")
-        else:
-            requests = builtin_workload(args.seed)
-            source = f"built-in workload (seed {args.seed})"
-            budgets = _budgets(args.budget) if args.budget else list(BUDGETS)
+        requests, source, budgets = _workload(args)
         policies = [name.strip() for name in args.policy.split(",") if name.strip()]
         budgets = resolve_budgets(budgets, requests)
         if args.idle_ttl is not None and not (args.idle_ttl > 0 and math.isfinite(args.idle_ttl)):
@@ -113,13 +106,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         bound = not args.no_bound
         if bound and not _has("scipy"):
             print(
-                "note: the offline optimum needs scipy (pip install 'cachebroker[sim]'); "
-                "showing the policies alone",
+                "note: the offline optimum needs scipy (pip install scipy, cachebroker's "
+                "'sim' extra); showing the policies alone",
                 file=sys.stderr,
             )
             bound = False
         if args.plot is not None and not _has("matplotlib"):
-            raise InvalidArgument("--plot needs matplotlib: pip install 'cachebroker[sim]'")
+            raise InvalidArgument(
+                "--plot needs matplotlib: pip install matplotlib (cachebroker's 'sim' extra)"
+            )
         steps = len(budgets) * (len(policies) + bound)
         with _progress(steps) as step:
             comparisons = simulate(
@@ -132,11 +127,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 progress=step,
             )
         if args.plot is not None:
-            plot(comparisons, args.plot)
+            plot(comparisons, args.plot, title=_plot_title(args, len(requests)))
     except OSError as exc:
-        parser.error(f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
+        _fail(parser, f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
     except (InvalidArgument, TypeError, ValueError) as exc:
-        parser.error(str(exc))
+        _fail(parser, str(exc))
     if args.json:
         json.dump(rows(comparisons), sys.stdout, indent=2)
         print()
@@ -145,6 +140,34 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.plot is not None:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _workload(args: argparse.Namespace) -> tuple[list[Request], str, list[Any]]:
+    """The requests to replay, their name for the table, and the budgets asked for."""
+    if args.trace is None:
+        budgets = _budgets(args.budget) if args.budget else list(BUDGETS)
+        return builtin_workload(args.seed), f"built-in workload (seed {args.seed})", budgets
+    requests = read_trace(args.trace)
+    if not requests:
+        raise InvalidArgument(f"{args.trace}: the trace has a header but no request")
+    if not args.budget:
+        raise InvalidArgument("--trace needs --budget: the budgets to compare")
+    return requests, args.trace, _budgets(args.budget)
+
+
+def _plot_title(args: argparse.Namespace, requests: int) -> str:
+    if args.trace is None:
+        return f"built-in: Azure LLM 2023 code trace, {requests:,} requests (seed {args.seed})"
+    return f"{Path(args.trace).name}: {requests:,} requests"
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Exit with status 2 and ``message`` alone on standard error.
+
+    The arguments parsed, so the usage block would only bury the message
+    (a trace error names its line and column); a hint to ``--help`` replaces it.
+    """
+    parser.exit(2, f"{parser.prog}: error: {message}\n(see {parser.prog} --help)\n")
 
 
 def _budgets(values: list[str]) -> list[Any]:
@@ -170,10 +193,15 @@ def _budgets(values: list[str]) -> list[Any]:
 
 
 def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
-    """One JSON-ready object per (policy, budget)."""
+    """One JSON-ready object per (policy, budget), with the same keys in the same order.
+
+    Seconds are rounded to the millisecond and ratios to 4 decimals: sums of
+    load times carry float noise (``10083.599999999984``) that means nothing.
+    """
     out = []
     for comparison in comparisons:
         bound = comparison.bound
+        optimum = None if bound is None else _seconds(bound.reload_seconds)
         budget: int | dict[str, int] = dict(comparison.budget)
         if len(comparison.budget) == 1:
             budget = next(iter(comparison.budget.values()))
@@ -185,20 +213,28 @@ def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
                     "budget_label": comparison.label,
                     "requests": result.requests,
                     "hits": result.hits,
-                    "hit_ratio": result.hit_ratio,
+                    "hit_ratio": _ratio(result.hit_ratio),
                     "misses": result.misses,
-                    "reload_seconds": result.reload_seconds,
-                    "all_loads_seconds": result.all_loads_seconds,
+                    "reload_seconds": _seconds(result.reload_seconds),
+                    "all_loads_seconds": _seconds(result.all_loads_seconds),
                     "bytes_loaded": result.bytes_loaded,
                     "evictions": result.evictions,
                     "waited_requests": result.waited,
-                    "mean_wait_seconds": result.mean_wait,
-                    "p99_wait_seconds": result.p99_wait,
-                    "bound_reload_seconds": None if bound is None else bound.reload_seconds,
+                    "mean_wait_seconds": _seconds(result.mean_wait),
+                    "p99_wait_seconds": _seconds(result.p99_wait),
+                    "bound_reload_seconds": optimum,
                     "bound_method": None if bound is None else bound.method,
                 }
             )
     return out
+
+
+def _seconds(value: float) -> float:
+    return round(value, 3) + 0.0  # + 0.0 turns a solver's -0.0 into 0.0
+
+
+def _ratio(value: float) -> float:
+    return round(value, 4) + 0.0
 
 
 def _percent(part: float, whole: float) -> str:

@@ -1,4 +1,4 @@
-"""Prometheus metrics for a broker (``pip install 'cachebroker[metrics]'``).
+"""Prometheus metrics for a broker (needs ``prometheus-client``, the ``metrics`` extra).
 
 ``BrokerMetrics`` is a prometheus-client collector. It reads the broker's
 books at each scrape and records load, release and wait-for-space durations

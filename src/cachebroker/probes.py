@@ -14,8 +14,8 @@ broker evicts idle entries to stay within what is really there. After a
 release on a probed space, the broker waits (bounded) until the device shows
 the memory back.
 
-``SystemMemory`` needs ``psutil`` (``pip install 'cachebroker[psutil]'``),
-``NvidiaGPU`` needs ``nvidia-ml-py`` (``pip install 'cachebroker[nvidia]'``);
+``SystemMemory`` needs ``psutil`` (the ``psutil`` extra), ``NvidiaGPU``
+needs ``nvidia-ml-py`` (the ``nvidia`` extra);
 importing cachebroker needs neither. Any callable returning ``(total, free)``
 bytes works too: ``Probe(my_reader, headroom="1GiB")``.
 """
@@ -84,7 +84,7 @@ class SystemMemory(Probe):
             import psutil
         except ImportError:  # pragma: no cover - depends on the environment
             raise ImportError(
-                "SystemMemory needs psutil: pip install 'cachebroker[psutil]'"
+                "SystemMemory needs psutil: pip install psutil (cachebroker's 'psutil' extra)"
             ) from None
 
         def read() -> tuple[int, int]:
@@ -102,7 +102,8 @@ class NvidiaGPU(Probe):
             import pynvml
         except ImportError:  # pragma: no cover - depends on the environment
             raise ImportError(
-                "NvidiaGPU needs nvidia-ml-py: pip install 'cachebroker[nvidia]'"
+                "NvidiaGPU needs nvidia-ml-py: "
+                "pip install nvidia-ml-py (cachebroker's 'nvidia' extra)"
             ) from None
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise InvalidArgument(f"GPU index must be a non-negative int, got {index!r}")

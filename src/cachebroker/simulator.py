@@ -11,14 +11,15 @@ each budget's results beside the offline optimum. The command line
         for result in comparison.results:
             print(comparison.label, result.policy, result.reload_seconds)
 
-The optimum and ``plot`` need the ``sim`` extra (scipy, matplotlib):
-``pip install 'cachebroker[sim]'``.
+The optimum, ``figure`` and ``plot`` need the ``sim`` extra (scipy,
+matplotlib): ``pip install -e '.[sim]'`` in a checkout of cachebroker.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -29,6 +30,9 @@ from ._replay import ReplayResult, Request, replay
 from ._sizes import DEFAULT_SPACE, format_bytes, parse_budget
 from ._trace import COLUMNS, TraceError, parse_trace, read_trace
 from ._workload import BUDGETS, CATALOGUE, builtin_workload
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = (
     "BUDGETS",
@@ -41,6 +45,7 @@ __all__ = (
     "Request",
     "TraceError",
     "builtin_workload",
+    "figure",
     "offline_bound",
     "parse_trace",
     "plot",
@@ -174,11 +179,15 @@ def _policy_name(policy: str) -> str:
     return name
 
 
-def plot(comparisons: Sequence[Comparison], path: str | os.PathLike[str]) -> None:
-    """Draw reload seconds and hit ratio against budget, one line per policy, to ``path``.
+def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Figure:
+    """Draw the comparisons against budget: reload seconds, hit ratio and waits for space.
 
-    The offline optimum (or bound) is drawn dashed beside the reload seconds.
-    Budgets must be of a single space (the x axis is bytes). Needs matplotlib.
+    Three panels, one line per policy: total reload seconds (with the offline
+    optimum, or its bound, dashed in black), hit ratio, and the mean (solid)
+    and 99th-percentile (dashed) wait for space. ``title`` names the workload;
+    without it the figure is titled by the number of requests. Budgets must be
+    of a single space (the x axis is bytes). Needs matplotlib; the figure is
+    not registered with ``pyplot``, so nothing needs closing.
 
     Raises:
         InvalidArgument: no comparison, or budgets of several spaces.
@@ -189,20 +198,26 @@ def plot(comparisons: Sequence[Comparison], path: str | os.PathLike[str]) -> Non
     if any(len(comparison.budget) != 1 for comparison in comparisons):
         raise InvalidArgument("plots need budgets of a single space (the x axis is bytes)")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - exercised without the extra
-        raise ImportError("plots need matplotlib: pip install 'cachebroker[sim]'") from exc
+        raise ImportError(
+            "plots need matplotlib: pip install matplotlib (cachebroker's 'sim' extra)"
+        ) from exc
     ordered = sorted(comparisons, key=lambda c: next(iter(c.budget.values())))
     gib = [next(iter(c.budget.values())) / 2**30 for c in ordered]
-    figure, (reloads, ratios) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    drawn = Figure(figsize=(15, 4.4), layout="constrained")
+    reloads, ratios, waits = drawn.subplots(1, 3)
     for index, result in enumerate(ordered[0].results):
-        name = result.policy
         series = [c.results[index] for c in ordered]
-        reloads.plot(gib, [r.reload_seconds for r in series], marker="o", label=name)
-        ratios.plot(gib, [r.hit_ratio for r in series], marker="o", label=name)
+        (line,) = reloads.plot(
+            gib, [r.reload_seconds for r in series], marker="o", label=result.policy
+        )
+        color = line.get_color()
+        ratios.plot(
+            gib, [r.hit_ratio for r in series], marker="o", color=color, label=result.policy
+        )
+        waits.plot(gib, [r.mean_wait for r in series], marker="o", color=color, label=result.policy)
+        waits.plot(gib, [r.p99_wait for r in series], marker="x", linestyle="--", color=color)
     bounds = [c.bound for c in ordered]
     if all(b is not None for b in bounds):
         exact = all(b is not None and b.method == "exact" for b in bounds)
@@ -215,9 +230,29 @@ def plot(comparisons: Sequence[Comparison], path: str | os.PathLike[str]) -> Non
         )
     reloads.set(xlabel="budget (GiB)", ylabel="total reload seconds", title="Reload time")
     ratios.set(xlabel="budget (GiB)", ylabel="hit ratio", title="Hit ratio")
-    reloads.set_ylim(bottom=0)
-    for axes in (reloads, ratios):
+    waits.set(
+        xlabel="budget (GiB)",
+        ylabel="seconds waited for space",
+        title="Wait for space: mean (solid), p99 (dashed)",
+    )
+    for axes in (reloads, ratios, waits):
         axes.grid(alpha=0.3)
         axes.legend()
-    figure.savefig(os.fspath(path), dpi=110)
-    plt.close(figure)
+    reloads.set_ylim(bottom=0)
+    waits.set_ylim(bottom=0)
+    if title is None:
+        title = f"{ordered[0].results[0].requests:,} requests"
+    drawn.suptitle(title)
+    return drawn
+
+
+def plot(
+    comparisons: Sequence[Comparison], path: str | os.PathLike[str], *, title: str | None = None
+) -> None:
+    """Save ``figure(comparisons, title=title)`` to ``path`` (PNG, SVG or PDF, by the suffix).
+
+    Raises:
+        InvalidArgument: no comparison, or budgets of several spaces.
+        ImportError: matplotlib is not installed.
+    """
+    figure(comparisons, title=title).savefig(os.fspath(path), dpi=110)

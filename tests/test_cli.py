@@ -1,0 +1,39 @@
+"""The ``cachebroker`` command as a process: exit statuses and where messages go."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import cachebroker
+
+# The child imports the package under test, wherever this process found it.
+SOURCE = str(Path(cachebroker.__file__).resolve().parent.parent)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SOURCE, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-m", "cachebroker", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_no_command_prints_the_usage_to_stderr_and_exits_2() -> None:
+    result = run_cli()
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("usage: cachebroker")
+    assert "name a command: demo, simulate" in result.stderr
+
+
+def test_help_exits_0_and_lists_the_commands() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "demo" in result.stdout and "simulate" in result.stdout
