@@ -49,3 +49,27 @@ async def test_infinite_timeout_waits_as_long_as_it_takes() -> None:
             assert lease.value == 1
         async with cache.acquire("b", load=loader(2), size=np.int64(10)) as lease:
             assert (await broker.stats()).used == {"default": 20}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"load": 42}, TypeError),
+        ({"size": -1}, InvalidArgument),
+        ({"size": "lots"}, InvalidArgument),
+        ({"size": {"gpu": 10}}, InvalidArgument),
+        ({"size": object()}, TypeError),
+        ({"timeout": -1}, InvalidArgument),
+        ({"timeout": "soon"}, TypeError),
+    ],
+)
+async def test_arguments_are_checked_on_a_hit_too(
+    kwargs: dict[str, object], error: type[Exception]
+) -> None:
+    """Code that works with a warm cache must not start failing after an eviction."""
+    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+        await (await cache.acquire("a", load=loader(1), size=10)).release()
+        arguments: dict[str, object] = {"load": loader(2), "size": 10, **kwargs}
+        with pytest.raises(error):
+            cache.acquire("a", **arguments)  # type: ignore[call-overload]
+        assert (await broker.stats()).hits == 0

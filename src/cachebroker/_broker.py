@@ -83,6 +83,8 @@ T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 _READY = State.READY
+#: Sizes checked once and remembered per cache (hashable, immutable).
+_PLAIN = frozenset({int, str})
 _DEBUG = logging.DEBUG
 
 #: The entries whose loader the current task (or thread) runs: a request made
@@ -677,6 +679,14 @@ class Broker:
             "this one: its books are not thread-safe; call into it on its own loop, e.g. "
             "with anyio.from_thread.run() or asyncio.run_coroutine_threadsafe()"
         )
+
+    def _check_size(self, size: object, seen: dict[object, None]) -> None:
+        """Check a size given to ``acquire`` (raises as ``parse_size``); remember good plain ones."""
+        if callable(size):
+            return
+        parse_size(size, self._budget)
+        if size.__class__ in _PLAIN and len(seen) < 1024:
+            seen[size] = None
 
     def _end_lease(self, entry: Entry, task: object) -> None:
         """End a lease on the broker's loop (called soon, from any thread)."""
@@ -1360,6 +1370,7 @@ class Cache:
         "_entries",
         "_owner",
         "_release",
+        "_sizes_seen",
         "_shut_wait",
         "_tg",
         "name",
@@ -1376,6 +1387,8 @@ class Cache:
         self._closed = False
         self._empty = anyio.Event()
         self._shut_wait = 0.0
+        #: Plain sizes (ints, strings) already checked, so a hit checks them cheaply.
+        self._sizes_seen: dict[object, None] = {}
         self.name = owner.name
         # Loads and releases run in the plugin's own context (its contextvars),
         # whichever task's request set them off.
@@ -1479,6 +1492,14 @@ class Cache:
         cancellation point, and every 32nd one a schedule point too; on
         asyncio a hit completes without suspending.
         """
+        # Arguments are checked on every call, hits included: code that works
+        # with a warm cache must not fail after an eviction.
+        if not callable(load):
+            raise TypeError(f"load must be a callable taking no argument, got {load!r}")
+        if size is not None and (size.__class__ not in _PLAIN or size not in self._sizes_seen):
+            self._broker._check_size(size, self._sizes_seen)
+        if timeout is not None:
+            timeout = _positive_seconds(timeout, "timeout", inf_is_none=True)
         if cost is None and idle_ttl is None and pin is False and measure is None:
             return Lease(self, key, load, size, timeout)  # The hit path's usual call.
         if cost is not None:
@@ -1562,10 +1583,6 @@ class Cache:
         self._find(key)  # an unhashable key is an InvalidKey
         if self._closed or not broker._running:
             raise BrokerClosed(f"cache {self.name!r} is closed")
-        if not callable(load):
-            raise TypeError(f"load must be a callable taking no argument, got {load!r}")
-        if timeout is not None:
-            timeout = _positive_seconds(timeout, "timeout", inf_is_none=True)
         if callable(size):
             measure, size = size, None
         need = None if size is None and measure is not None else parse_size(size, broker._budget)
