@@ -406,3 +406,28 @@ async def test_releaser_that_yields_is_not_reported(
             await cache.invalidate("a")
             assert (await broker.stats()).releases_blocking == 0
     assert not [e for e in events if e["event"] == "cachebroker.release.blocking"]
+
+
+# ---------------------------------------------------------- forgotten leases
+
+
+async def test_lease_held_long_while_requests_wait_is_reported(
+    events: list[MutableMapping[str, Any]],
+) -> None:
+    now = [0.0]
+    async with Broker(budget=100, clock=lambda: now[0], lease_warning=0.4) as broker:
+        async with broker.cache("p", Recorder()) as cache:
+            forgotten = await cache.acquire("a", load=loader(1), size=60)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(once, cache.acquire("b", load=loader(2), size=60))
+                await wait_until(lambda: forgotten._entry in broker._held)
+                assert not [e for e in events if e["event"] == "cachebroker.lease.held"]
+                now[0] += 1.0  # the sweeper checks every lease_warning / 4 (real) seconds
+                await wait_until(
+                    lambda: any(e["event"] == "cachebroker.lease.held" for e in events)
+                )
+                await forgotten.release()
+    (held,) = [e for e in events if e["event"] == "cachebroker.lease.held"]
+    assert (held["cache"], held["key"], held["log_level"]) == ("p", "a", "warning")
+    assert held["seconds"] >= 0.4 and held["waiting"] == 1
+    assert len(held["holders"]) == 1 and isinstance(held["holders"][0], str)

@@ -319,6 +319,11 @@ class Broker:
             releaser runs on the loop: ``gc.collect()`` or a device
             synchronisation there stalls every other task; offload them with
             ``anyio.to_thread.run_sync``). ``None`` turns the check off.
+        lease_warning: Seconds a lease may be held while requests wait for
+            its space before ``cachebroker.lease.held`` is logged (once per
+            lease), naming cache, key and the holder tasks: a forgotten
+            lease otherwise stalls every request behind it silently.
+            ``None`` turns the check off.
         sizes: Measured sizes to start from, as ``export_sizes()`` returned
             them from a previous broker: ``{cache: {key: size}}``, each size
             as for ``acquire(size=...)``. A load sized by measurement reserves
@@ -342,6 +347,7 @@ class Broker:
         alias_threshold: int = 3,
         sizes: Mapping[str, Mapping[Any, Any]] | None = None,
         blocking_warning: float | None = 0.1,
+        lease_warning: float | None = 60.0,
         memory_wait: float | None = 5.0,
         probe_interval: float = 1.0,
     ) -> None:
@@ -361,6 +367,11 @@ class Broker:
             blocking_warning, "blocking_warning", inf_is_none=True
         )
         self._releases_blocking = 0
+        self._lease_warning = _positive_seconds(lease_warning, "lease_warning", inf_is_none=True)
+        #: Leased entries seen in a space that requests wait for, and since
+        #: when; those already reported.
+        self._held: dict[Entry, float] = {}
+        self._held_reported: set[Entry] = set()
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         self._core = Core(
@@ -681,7 +692,7 @@ class Broker:
         )
 
     def _check_size(self, size: object, seen: dict[object, None]) -> None:
-        """Check a size given to ``acquire`` (raises as ``parse_size``); remember good plain ones."""
+        """Check a size given to ``acquire`` (raising as ``parse_size``); remember plain ones."""
         if callable(size):
             return
         parse_size(size, self._budget)
@@ -1208,12 +1219,53 @@ class Broker:
             delay = math.inf if deadline is None else max(0.0, deadline - self._clock())
             if self._probes:
                 delay = min(delay, self._probe_interval or math.inf)
+            if core.queue and self._lease_warning is not None:
+                delay = min(delay, self._lease_warning / 4)
             with anyio.move_on_after(delay):
                 await wake.wait()
             if self._probes:
                 self._refresh_probes()
             core.sweep(self._clock())
             self._apply()
+            self._check_held_leases()
+
+    def _check_held_leases(self) -> None:
+        """Report leases held for ``lease_warning`` seconds while requests wait for their space.
+
+        Checked by the sweeper (woken when a request starts waiting, then every
+        quarter of the threshold while any waits): a lease counts from the
+        first check that saw it in a space somebody waits for, and is
+        reported once while it stays so.
+        """
+        limit = self._lease_warning
+        core = self._core
+        if limit is None or not core.queue:
+            self._held.clear()
+            self._held_reported.clear()
+            return
+        now = self._clock()
+        waited = {name for entry in core.queue for name in entry.need}
+        held: dict[Entry, float] = {}
+        for entry in core.busy:
+            if entry.leases and not waited.isdisjoint(entry.charge):
+                since = held[entry] = self._held.get(entry, now)
+                if now - since >= limit and entry not in self._held_reported:
+                    self._held_reported.add(entry)
+                    self._emit(
+                        "warning",
+                        ev.LEASE_HELD,
+                        cache=entry.owner.name,
+                        key=entry.key,
+                        holders=[_task_name(task) for task in entry.holders],
+                        seconds=round(now - since, 3),
+                        waiting=sum(
+                            len(w.joiners)
+                            for w in core.queue
+                            if not w.need.keys().isdisjoint(entry.charge)
+                        ),
+                    )
+        self._held = held
+        self._held_reported &= held.keys()
 
     def _refresh_probes(self) -> None:
         """Re-read every probed space's device and set its capacity.
@@ -1370,8 +1422,8 @@ class Cache:
         "_entries",
         "_owner",
         "_release",
-        "_sizes_seen",
         "_shut_wait",
+        "_sizes_seen",
         "_tg",
         "name",
     )
@@ -1611,6 +1663,8 @@ class Cache:
             broker._log.debug(ev.MISS, cache=self.name, key=key, bytes=need)
         if entry.state is State.WAITING:
             broker._log.debug(ev.WAIT, cache=self.name, key=key, bytes=entry.need)
+            if broker._lease_warning is not None and broker._sweep_wake is not None:
+                broker._sweep_wake.set()  # check on the leases it waits for from now on
         broker._apply()
         return await self._wait(ticket, timeout)
 
@@ -2056,6 +2110,14 @@ def _trio_hit_checkpoint() -> Callable[[], Awaitable[None]]:
         return if_cancelled() if next(count) & mask else full()
 
     return checkpoint
+
+
+def _task_name(task: object) -> str:
+    """How events name a holder task (asyncio's or trio's)."""
+    get_name = getattr(task, "get_name", None)
+    if callable(get_name):
+        return str(get_name())
+    return str(getattr(task, "name", task))
 
 
 def _call_soon_threadsafe(backend: str) -> Callable[..., object]:

@@ -27,6 +27,7 @@ QUARANTINE_FORGOTTEN: Final = "cachebroker.quarantine.forgotten"
 ALIAS_LEARNED: Final = "cachebroker.alias.learned"
 MEMORY_SLOW: Final = "cachebroker.release.memory_slow"
 RELEASE_BLOCKING: Final = "cachebroker.release.blocking"
+LEASE_HELD: Final = "cachebroker.lease.held"
 LISTENER_FAILED: Final = "cachebroker.listener.failed"
 PROBE_FAILED: Final = "cachebroker.probe.failed"
 
@@ -47,6 +48,7 @@ ALL: Final = (
     ALIAS_LEARNED,
     MEMORY_SLOW,
     RELEASE_BLOCKING,
+    LEASE_HELD,
     LISTENER_FAILED,
     PROBE_FAILED,
 )
