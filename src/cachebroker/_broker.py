@@ -26,7 +26,15 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Awaitable, Callable, Generator, Hashable, Iterable, Mapping
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Generator,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+)
 from contextlib import AbstractAsyncContextManager
 from threading import get_ident
 from types import TracebackType
@@ -199,6 +207,75 @@ def _classify(exc: BaseException) -> _Fault:
     if isinstance(exc, Exception | asyncio.CancelledError):
         return _Fault.FAILED
     return _Fault.FATAL
+
+
+async def _exit_task_group(
+    tg: anyio.abc.TaskGroup,
+    exc_type: type[BaseException] | None,
+    exc: BaseException | None,
+    tb: TracebackType | None,
+) -> bool:
+    """Exit a block's own task group so that what happened comes out as itself.
+
+    The broker's and each cache's task group are an implementation detail;
+    anyio wraps whatever leaves one in an exception group. Returns ``False``
+    for the body's own exception (``exc``, the caller then lets it propagate
+    untouched: its traceback, ``__cause__`` and ``__context__`` as the body
+    set them), raises a single failure of the group's own tasks as itself,
+    and keeps the group only for several independent failures at once (see
+    ``_sole_failure``).
+    """
+    try:
+        return bool(await tg.__aexit__(exc_type, exc, tb))
+    except BaseExceptionGroup as group:
+        sole = _sole_failure(group, exc)
+        if sole is None:
+            raise
+    if sole is exc:
+        return False
+    context = sole.__context__
+    try:
+        raise sole
+    finally:
+        # Raised here, it would be chained to the body's exception (usually the
+        # cancellation that this very failure caused): keep the chain it had.
+        sole.__context__ = context
+        del sole, context
+
+
+def _sole_failure(
+    group: BaseExceptionGroup[Any], body: BaseException | None
+) -> BaseException | None:
+    """The one exception ``group`` stands for, or ``None`` when it holds several failures.
+
+    Cancellations in the group are the task group's own doing (or an outer
+    scope's, which cancels again at the next checkpoint): they are not
+    failures. What is left is the body's exception and what the group's tasks
+    raised (a process-level exception of a loader, a size callable or a
+    releaser); one of them alone is the answer.
+    """
+    cancelled = anyio.get_cancelled_exc_class()
+    failures = [error for error in group.exceptions if not isinstance(error, cancelled)]
+    if body is not None and not isinstance(body, cancelled):
+        return body if all(_same(error, body) for error in failures) else None
+    return failures[0] if len(failures) == 1 else None
+
+
+def _same(error: BaseException, body: BaseException) -> bool:
+    """Whether ``error`` is ``body``, or (trio copies groups it passes on) a copy of its group."""
+    if error is body:
+        return True
+    if not isinstance(error, BaseExceptionGroup) or not isinstance(body, BaseExceptionGroup):
+        return False
+    return {id(leaf) for leaf in _leaves(error)} == {id(leaf) for leaf in _leaves(body)}
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
 
 
 def _is_async_callable(func: object) -> bool:
@@ -459,8 +536,8 @@ class Broker:
             self._running = False
             self._core.closed = True
             tg.cancel_scope.cancel()
-            await tg.__aexit__(exc_type, exc, tb)
-        return None
+            suppressed = await _exit_task_group(tg, exc_type, exc, tb)
+        return suppressed
 
     def cache(
         self, name: str, releaser: Releaser | ReleaseFunction
@@ -1271,13 +1348,13 @@ class _CacheBlock:
             cache._tg.cancel_scope.cancel()
             broker = self._broker
             try:
-                await cache._tg.__aexit__(exc_type, exc, tb)
+                suppressed = await _exit_task_group(cache._tg, exc_type, exc, tb)
             finally:
                 broker._caches.pop(cache._owner, None)
                 broker._core.forget_owner(cache._owner)
         if outstanding and exc_type is None:
             raise LeasesOutstanding(cache.name, outstanding, cache._shut_wait)
-        return None
+        return suppressed
 
 
 class Cache:

@@ -1,0 +1,187 @@
+"""What comes out of the broker's blocks: exceptions as themselves, never wrapped in groups.
+
+The broker and each cache block run a task group of their own; it is an
+implementation detail. A body's single exception, and a single failure of the
+broker's own tasks, come out as themselves; a group only when several really
+independent failures happened at once (docs/failure-semantics.md, "Exceptions").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from cachebroker import AcquireTimeout, Broker, LeasesOutstanding, LoadFailed, RequestTooLarge
+from tests.test_broker import Recorder, loader
+
+
+class Meltdown(BaseException):
+    """A process-level exception of the application's own."""
+
+
+# ------------------------------------------------------- a body's own exception
+
+
+@pytest.mark.anyio
+async def test_key_error_in_a_broker_body_is_caught_by_except_key_error() -> None:
+    error = KeyError("mine")
+    caught: BaseException | None = None
+    try:
+        async with Broker(budget=100):
+            raise error
+    except KeyError as exc:
+        caught = exc
+    assert caught is error  # itself: no group, no copy
+    assert error.__context__ is None and error.__cause__ is None  # chained to nothing
+
+
+@pytest.mark.anyio
+async def test_key_error_in_a_cache_body_is_caught_by_except_key_error_outside_the_broker() -> None:
+    error = KeyError("mine")
+    caught: BaseException | None = None
+    try:
+        async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+            async with cache.acquire("k", load=loader("v"), size=10):
+                pass
+            raise error
+    except KeyError as exc:
+        caught = exc
+    assert caught is error and error.__context__ is None
+
+
+@pytest.mark.anyio
+async def test_request_too_large_in_a_cache_body_is_caught_by_its_class() -> None:
+    caught: RequestTooLarge | None = None
+    try:
+        async with Broker(budget="1GiB") as broker, broker.cache("whisper", Recorder()) as cache:
+            await cache.acquire("large", load=loader("v"), size="2GiB")
+    except RequestTooLarge as exc:
+        caught = exc
+    assert caught is not None and caught.entry == "whisper:'large'"
+
+
+@pytest.mark.anyio
+async def test_leases_outstanding_from_a_cache_exit_is_caught_by_its_class() -> None:
+    holder: Any = None
+    caught: LeasesOutstanding | None = None
+    try:
+        async with Broker(budget=100, release_timeout=0.01) as broker:
+            async with broker.cache("p", Recorder()) as cache:
+                holder = await cache.acquire("a", load=loader("v"), size=40)
+    except LeasesOutstanding as exc:
+        caught = exc
+    assert caught is not None and (caught.cache, caught.keys) == ("p", ("a",))
+    assert holder.value == "v"  # never freed under its holder
+    await holder.release()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("where", ["broker", "cache"])
+async def test_keyboard_interrupt_in_a_body_comes_out_bare(where: str) -> None:
+    interrupt = KeyboardInterrupt()
+
+    async def interrupted() -> None:
+        async with Broker(budget=100) as broker:
+            if where == "broker":
+                raise interrupt
+            async with broker.cache("p", Recorder()):
+                raise interrupt
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        await interrupted()
+    assert info.value is interrupt
+
+
+@pytest.mark.anyio
+async def test_a_bodys_own_exception_group_comes_out_as_itself() -> None:
+    group = ExceptionGroup("the application's", [KeyError("a"), ValueError("b")])
+
+    async def body() -> None:
+        async with Broker(budget=100) as broker, broker.cache("p", Recorder()):
+            raise group
+
+    with pytest.raises(ExceptionGroup) as info:
+        await body()
+    assert info.value is group  # not wrapped, not a copy
+
+
+@pytest.mark.anyio
+async def test_cancellation_of_the_block_is_not_turned_into_an_error() -> None:
+    with anyio.move_on_after(0.01) as scope:
+        async with Broker(budget=100) as broker, broker.cache("p", Recorder()):
+            await anyio.sleep_forever()
+    assert scope.cancelled_caught
+
+
+# ----------------------------------------------- failures of the broker's tasks
+
+
+def run_fresh(anyio_backend: tuple[str, dict[str, Any]], main: Any) -> None:
+    """Run ``main`` in a fresh event loop: on asyncio a ``KeyboardInterrupt`` stops the loop."""
+    backend, options = anyio_backend
+    anyio.run(main, backend=backend, backend_options=options)
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, Meltdown])
+def test_a_loaders_process_level_exception_alone_comes_out_bare(
+    anyio_backend: tuple[str, dict[str, Any]], kind: type[BaseException]
+) -> None:
+    async def load() -> str:
+        await anyio.lowlevel.checkpoint()
+        raise kind()
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+                with contextlib.suppress(LoadFailed):  # what the requester gets
+                    await cache.acquire("k", load=load, size=10)
+                await anyio.sleep_forever()  # until the broker's own task fails
+
+    with pytest.raises(kind):
+        run_fresh(anyio_backend, main)
+
+
+def test_independent_failures_at_once_come_out_as_a_group(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    """The body's error and a loader's process-level exception: both are kept."""
+
+    async def load() -> str:
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(0.05)  # it fails while the body's error propagates
+        raise Meltdown
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+                with pytest.raises(AcquireTimeout):  # the load goes on, shielded
+                    await cache.acquire("k", load=load, size=10, timeout=0.01)
+                raise KeyError("mine")
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        run_fresh(anyio_backend, main)
+    assert info.group_contains(KeyError, depth=1) and info.group_contains(Meltdown, depth=1)
+
+
+# ------------------------------------------------------------- the command line
+
+
+def test_demo_with_a_budget_below_a_model_fails_with_a_short_error() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cachebroker", "demo", "--budget", "40MiB"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "Exception Group" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "cachebroker demo: error:" in result.stderr
+    assert "exceeds the space's whole budget" in result.stderr
