@@ -9,15 +9,20 @@ independent failures happened at once (docs/failure-semantics.md, "Exceptions").
 from __future__ import annotations
 
 import contextlib
+import pickle
 import subprocess
 import sys
+import traceback
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
 
+import cachebroker
+import cachebroker.simulator
 from cachebroker import AcquireTimeout, Broker, LeasesOutstanding, LoadFailed, RequestTooLarge
+from cachebroker.simulator import TraceError
 from tests.test_broker import Recorder, loader
 
 
@@ -167,6 +172,52 @@ def test_independent_failures_at_once_come_out_as_a_group(
     with pytest.raises(BaseExceptionGroup) as info:
         run_fresh(anyio_backend, main)
     assert info.group_contains(KeyError, depth=1) and info.group_contains(Meltdown, depth=1)
+
+
+# ------------------------------------------------------------ the public names
+
+
+def test_tracebacks_and_reprs_name_the_public_module() -> None:
+    error = RequestTooLarge("ram", 2 * 2**30, 2**30, entry="whisper:'large'")
+    assert repr(type(error)) == "<class 'cachebroker.RequestTooLarge'>"
+    shown = traceback.format_exception(error)[-1]
+    assert shown.startswith("cachebroker.RequestTooLarge: whisper:'large' needs 2.0 GiB"), shown
+
+
+PUBLIC_ERRORS: list[BaseException] = [
+    cachebroker.BrokerError("broken"),
+    cachebroker.InvalidArgument("bad"),
+    cachebroker.InvalidKey("unhashable"),
+    cachebroker.OutOfSpace("full"),
+    RequestTooLarge("ram", 2 * 2**30, 2**30, entry="whisper:'large'"),
+    cachebroker.DeadlockError("stuck", [("p", "a")]),
+    AcquireTimeout("late"),
+    cachebroker.BrokerClosed("closed"),
+    LoadFailed("failed"),
+    cachebroker.ReleaseFailed("not freed"),
+    LeasesOutstanding("p", ["a", "b"], 0.5),
+    cachebroker.WrongEventLoop("elsewhere"),
+    cachebroker.LeaseReleased("released"),
+    TraceError("bad size", source="t.csv", line=2, column="size"),
+]
+
+
+def test_every_public_exception_class_is_listed_here() -> None:
+    listed = {type(error) for error in PUBLIC_ERRORS}
+    for module in (cachebroker, cachebroker.simulator):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if isinstance(obj, type) and issubclass(obj, BaseException):
+                assert obj in listed, name
+
+
+@pytest.mark.parametrize("error", PUBLIC_ERRORS, ids=lambda error: type(error).__name__)
+def test_public_exceptions_survive_a_pickle_round_trip(error: BaseException) -> None:
+    error.add_note("a note")
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error)
+    assert (str(again), again.args) == (str(error), error.args)
+    assert vars(again) == vars(error)  # attributes (``entry``, ``keys``, ...) and notes
 
 
 # ------------------------------------------------------------- the command line

@@ -7,6 +7,7 @@ Errors about bad arguments also derive from the matching built-in
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any, TypeVar
 
 __all__ = [
     "BrokerClosed",
@@ -27,6 +28,12 @@ __all__ = [
 
 class BrokerError(Exception):
     """Base class of every error raised by cachebroker."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses' __init__ take other arguments than ``args`` (the message),
+        # which is what pickle and copy would call them with: rebuild the
+        # exception without __init__, then restore its attributes.
+        return _rebuild, (type(self), self.args), self.__dict__ or None
 
 
 class InvalidArgument(BrokerError, ValueError):
@@ -115,3 +122,11 @@ class WrongEventLoop(BrokerError, RuntimeError):
 
 class LeaseReleased(BrokerError, RuntimeError):
     """The value of a lease was used after the lease was released."""
+
+
+_E = TypeVar("_E", bound=BrokerError)
+
+
+def _rebuild(cls: type[_E], args: tuple[Any, ...]) -> _E:
+    """Unpickle (or copy) a ``BrokerError``: its ``args`` as they were, no ``__init__``."""
+    return cls.__new__(cls, *args)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
+from . import _exports
 from ._bound import Bound, offline_bound
 from ._errors import InvalidArgument
 from ._policy import make_policy
@@ -221,3 +222,8 @@ def plot(comparisons: Sequence[Comparison], path: str | os.PathLike[str]) -> Non
         axes.legend()
     figure.savefig(os.fspath(path), dpi=110)
     plt.close(figure)
+
+
+# Public names claim this module (tracebacks, reprs and pickles name
+# ``cachebroker.simulator.X``), whichever private module defines them.
+_exports.claim(__name__, globals(), __all__)
