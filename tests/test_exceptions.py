@@ -21,9 +21,16 @@ import pytest
 
 import cachebroker
 import cachebroker.simulator
-from cachebroker import AcquireTimeout, Broker, LeasesOutstanding, LoadFailed, RequestTooLarge
+from cachebroker import (
+    AcquireTimeout,
+    Broker,
+    BrokerClosed,
+    LeasesOutstanding,
+    LoadFailed,
+    RequestTooLarge,
+)
 from cachebroker.simulator import TraceError
-from tests.test_broker import Recorder, loader
+from tests.test_broker import Recorder, loader, wait_until
 
 
 class Meltdown(BaseException):
@@ -82,6 +89,7 @@ async def test_leases_outstanding_from_a_cache_exit_is_caught_by_its_class() -> 
     except LeasesOutstanding as exc:
         caught = exc
     assert caught is not None and (caught.cache, caught.keys) == ("p", ("a",))
+    assert "still leased after waiting" in str(caught) and "p:'a'" in str(caught)
     assert holder.value == "v"  # never freed under its holder
     await holder.release()
 
@@ -172,6 +180,78 @@ def test_independent_failures_at_once_come_out_as_a_group(
     with pytest.raises(BaseExceptionGroup) as info:
         run_fresh(anyio_backend, main)
     assert info.group_contains(KeyError, depth=1) and info.group_contains(Meltdown, depth=1)
+
+
+# ---------------------------------------- errors name the entry as cache:key
+
+
+@pytest.mark.anyio
+async def test_acquire_timeout_names_the_entry_and_what_it_waited_for() -> None:
+    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+        held, done = anyio.Event(), anyio.Event()
+
+        async def holder() -> None:
+            async with cache.acquire("a", load=loader(1), size=80):
+                held.set()
+                await done.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(holder)
+            await held.wait()
+            with pytest.raises(AcquireTimeout) as info:
+                await cache.acquire("b", load=loader(2), size=50, timeout=0.01)
+            done.set()
+        assert (info.value.entry, info.value.waiting_for) == ("p:'b'", "space")
+        assert "p:'b' did not complete within 0.01s: it was waiting for space (50 B" in str(
+            info.value
+        )
+
+        async def slow() -> str:
+            await anyio.sleep_forever()
+            raise AssertionError
+
+        with pytest.raises(AcquireTimeout) as info:
+            await cache.acquire("c", load=slow, size=10, timeout=0.01)
+        assert (info.value.entry, info.value.waiting_for) == ("p:'c'", "load")
+        assert "waiting for its load to finish" in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_requests_failed_by_a_closing_cache_name_their_entry() -> None:
+    got: list[BaseException] = []
+
+    async def slow() -> str:
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    async with Broker(budget=100) as broker:
+        async with anyio.create_task_group() as tg:
+            async with broker.cache("p", Recorder()) as cache:
+
+                async def request() -> None:
+                    try:
+                        await cache.acquire("b", load=slow, size=10)
+                    except BrokerClosed as exc:
+                        got.append(exc)
+
+                tg.start_soon(request)
+                await wait_until(lambda: broker.stats_nowait().loading == 1)
+        with pytest.raises(BrokerClosed, match=r"cache 'p' is closed: cannot acquire p:'k'"):
+            await cache.acquire("k", load=loader(1), size=10)
+    assert str(got[0]) == "cache 'p' was closed while acquiring p:'b'"
+
+
+@pytest.mark.anyio
+async def test_argument_and_lease_errors_name_their_entry() -> None:
+    async with Broker(budget={"ram": 100}) as broker, broker.cache("p", Recorder()) as cache:
+        with pytest.raises(cachebroker.InvalidArgument, match=r"acquiring p:'k': unknown space"):
+            await cache.acquire("k", load=loader(1), size={"gpu": 10})
+        lease = await cache.acquire("k", load=loader(1), size={"ram": 60})
+        with pytest.raises(cachebroker.DeadlockError, match=r"p:'b' needs 50 B .*itself: p:'k';"):
+            await cache.acquire("b", load=loader(2), size={"ram": 50})
+        await lease.release()
+        with pytest.raises(cachebroker.LeaseReleased, match=r"the lease on p:'k' was released"):
+            _ = lease.value
 
 
 # ------------------------------------------------------------ the public names

@@ -62,7 +62,7 @@ from ._errors import (
     WrongEventLoop,
 )
 from ._policy import Policy, make_policy
-from ._sizes import parse_budget, parse_bytes, parse_size
+from ._sizes import format_bytes, parse_budget, parse_bytes, parse_size
 from ._stats import EvictionReport, Stats
 from .probes import Probe
 
@@ -855,7 +855,8 @@ class Broker:
         cache_name = entry.owner.name
         if fault is _Fault.CANCELLED:
             self._emit("info", ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
-            self._core.load_failed(entry, BrokerClosed("the load was cancelled"), cancelled=True)
+            cancelled = BrokerClosed(f"the load of {cache_name}:{entry.key!r} was cancelled")
+            self._core.load_failed(entry, cancelled, cancelled=True)
         else:
             self._emit("warning", ev.LOAD_FAILED, cache=cache_name, key=entry.key, error=repr(exc))
             error = exc
@@ -1097,7 +1098,8 @@ class Broker:
             self._core.release_failed(
                 entry,
                 ReleaseFailed(
-                    f"cache {entry.owner.name!r} was closed before {entry.key!r} could be released"
+                    f"cache {entry.owner.name!r} was closed before "
+                    f"{entry.owner.name}:{entry.key!r} could be released"
                 ),
             )
             slot.released.set()
@@ -1162,7 +1164,7 @@ class Broker:
         """Book a release that raised ``exc`` (quarantined); return whether it must propagate."""
         fault = _classify(exc)
         if fault is _Fault.CANCELLED:
-            failure = ReleaseFailed("the release was cancelled")
+            failure = ReleaseFailed(f"releasing {entry.owner.name}:{entry.key!r} was cancelled")
         else:
             failure = ReleaseFailed(f"releasing {entry.owner.name}:{entry.key!r} raised {exc!r}")
             failure.__cause__ = exc
@@ -1531,7 +1533,9 @@ class Cache:
         """
         broker = self._broker
         if self._closed:
-            raise BrokerClosed(f"cache {self.name!r} is closed")
+            raise BrokerClosed(
+                f"cache {self.name!r} is closed: cannot invalidate {self.name}:{key!r}"
+            )
         broker._check_running()
         entry = self._find(key)
         dropped = broker._core.invalidate(self._owner, key)
@@ -1550,7 +1554,7 @@ class Cache:
         """
         broker = self._broker
         if self._closed:
-            raise BrokerClosed(f"cache {self.name!r} is closed")
+            raise BrokerClosed(f"cache {self.name!r} is closed: cannot unpin {self.name}:{key!r}")
         broker._check_running()
         self._find(key)
         unpinned = broker._core.unpin(self._owner, key, broker._clock())
@@ -1566,7 +1570,7 @@ class Cache:
             return self._entries.get(key)
         except TypeError:
             raise InvalidKey(
-                f"cache keys must be hashable, got {type(key).__name__} {key!r}"
+                f"keys of cache {self.name!r} must be hashable, got {type(key).__name__} {key!r}"
             ) from None
 
     async def _acquire_slow(
@@ -1583,14 +1587,19 @@ class Cache:
         broker._trace = broker._debug_check(_DEBUG)  # see Broker.__init__
         self._find(key)  # an unhashable key is an InvalidKey
         if self._closed or not broker._running:
-            raise BrokerClosed(f"cache {self.name!r} is closed")
+            raise BrokerClosed(f"cache {self.name!r} is closed: cannot acquire {self.name}:{key!r}")
         if not callable(load):
             raise TypeError(f"load must be a callable taking no argument, got {load!r}")
         if timeout is not None:
             timeout = _positive_seconds(timeout, "timeout")
         if callable(size):
             measure, size = size, None
-        need = None if size is None and measure is not None else parse_size(size, broker._budget)
+        need = None
+        if size is not None or measure is None:
+            try:
+                need = parse_size(size, broker._budget)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"acquiring {self.name}:{key!r}: {exc}") from None
         task = broker._current_task()
         core = broker._core
         if broker._probes:
@@ -1634,11 +1643,14 @@ class Cache:
                         await done.wait()
         except TimeoutError:
             if ticket.outcome is None:
+                waiting_for, what = _waiting_for(entry)
                 core.leave(ticket)
                 broker._apply()
                 raise AcquireTimeout(
-                    f"acquiring {self.name}:{entry.key!r} did not complete within {timeout:g}s "
-                    f"(entry was {entry.state.value})"
+                    f"acquiring {self.name}:{entry.key!r} did not complete within {timeout:g}s: "
+                    f"it was waiting for {what}",
+                    entry=f"{self.name}:{entry.key!r}",
+                    waiting_for=waiting_for,
                 ) from None
             # Settled just as the deadline passed: the outcome stands.
         except BaseException:
@@ -1720,8 +1732,8 @@ class Lease(Generic[T_co]):
         # this step, without building a coroutine (docs/architecture.md).
         if self._task is not _PENDING:
             raise RuntimeError(
-                f"this lease on {self.key!r} was already awaited or entered; a lease is "
-                "acquired once: call cache.acquire() again for another"
+                f"this lease on {self._cache.name}:{self.key!r} was already awaited or entered; "
+                "a lease is acquired once: call cache.acquire() again for another"
             )
         self._task = _ACQUIRING
         cache = self._cache
@@ -1784,9 +1796,11 @@ class Lease(Generic[T_co]):
         entry = self._entry
         if entry is None:
             if self._task is _RELEASED:
-                raise LeaseReleased(f"the lease on {self.key!r} was released; acquire it again")
+                raise LeaseReleased(
+                    f"the lease on {self._cache.name}:{self.key!r} was released; acquire it again"
+                )
             raise RuntimeError(
-                f"the lease on {self.key!r} is not acquired yet: "
+                f"the lease on {self._cache.name}:{self.key!r} is not acquired yet: "
                 "await cache.acquire(...) or use it with 'async with'"
             )
         return cast(T_co, entry.value)
@@ -1895,6 +1909,20 @@ def _positive_seconds(value: object, what: str) -> float | None:
     if not math.isfinite(value) or value <= 0:
         raise InvalidArgument(f"{what} must be a positive number of seconds or None, got {value!r}")
     return float(value)
+
+
+def _waiting_for(entry: Entry) -> tuple[str | None, str]:
+    """What a request of ``entry`` still waits for: ``AcquireTimeout.waiting_for``, and in words."""
+    if entry.state is State.LOADING:
+        return "load", "its load to finish"
+    if entry.state is not State.WAITING:
+        return None, f"the entry, which was {entry.state.value}"
+    if entry.after is not None:
+        return "release", "the release of the key's previous value"
+    need = ", ".join(f"{format_bytes(n)} in {name!r}" for name, n in entry.need.items())
+    if entry.gated:
+        return "space", "space, behind another load of unknown size (measured first)"
+    return "space", f"space ({need})" if need else "space"
 
 
 def _own_copy(error: BaseException) -> BaseException:

@@ -78,7 +78,23 @@ class DeadlockError(BrokerError, RuntimeError):
 
 
 class AcquireTimeout(BrokerError, TimeoutError):
-    """``acquire(timeout=...)`` ran out of time waiting for space or for a load."""
+    """``acquire(timeout=...)`` ran out of time waiting for space or for a load.
+
+    Attributes:
+        entry: The entry it was about, as ``cache:key`` (``None`` when unknown).
+        waiting_for: What the request still waited for: ``"space"`` (admission:
+            other entries had to be released first; worth retrying later),
+            ``"load"`` (the entry's load, shared with other requesters), or
+            ``"release"`` (the key's previous value was being released);
+            ``None`` when unknown.
+    """
+
+    def __init__(
+        self, message: str, *, entry: str | None = None, waiting_for: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.entry = entry
+        self.waiting_for = waiting_for
 
 
 class BrokerClosed(BrokerError, RuntimeError):
@@ -105,7 +121,7 @@ class LeasesOutstanding(BrokerError, RuntimeError):
     """A cache block was left while some of its entries were still leased."""
 
     def __init__(self, cache: str, keys: Sequence[Hashable], waited: float) -> None:
-        shown = ", ".join(repr(k) for k in list(keys)[:10])
+        shown = ", ".join(f"{cache}:{key!r}" for key in list(keys)[:10])
         more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
         super().__init__(
             f"cache {cache!r} was closed with {len(keys)} entr"
@@ -129,4 +145,6 @@ _E = TypeVar("_E", bound=BrokerError)
 
 def _rebuild(cls: type[_E], args: tuple[Any, ...]) -> _E:
     """Unpickle (or copy) a ``BrokerError``: its ``args`` as they were, no ``__init__``."""
-    return cls.__new__(cls, *args)
+    error = cls.__new__(cls, *args)
+    error.args = args  # OSError's __new__ (AcquireTimeout's) leaves them to __init__
+    return error
