@@ -218,47 +218,53 @@ async def _exit_task_group(
     """Exit a block's own task group so that what happened comes out as itself.
 
     The broker's and each cache's task group are an implementation detail;
-    anyio wraps whatever leaves one in an exception group. Returns ``False``
-    for the body's own exception (``exc``, the caller then lets it propagate
-    untouched: its traceback, ``__cause__`` and ``__context__`` as the body
-    set them), raises a single failure of the group's own tasks as itself,
-    and keeps the group only for several independent failures at once (see
-    ``_sole_failure``).
+    anyio wraps whatever leaves one in an exception group. What leaves the
+    block instead is chosen by ``_outcome``: the body's own exception
+    (``exc``; the caller returns ``False`` and it propagates untouched, its
+    traceback, ``__cause__`` and ``__context__`` as the body set them), a
+    single failure of the group's own tasks, raised as itself, or the group,
+    for several independent failures at once.
     """
     try:
         return bool(await tg.__aexit__(exc_type, exc, tb))
     except BaseExceptionGroup as group:
-        sole = _sole_failure(group, exc)
-        if sole is None:
+        outcome = _outcome(group, exc)
+        if outcome is group:
             raise
-    if sole is exc:
+    if outcome is exc or outcome is None:
         return False
-    context = sole.__context__
+    context = outcome.__context__
     try:
-        raise sole
+        raise outcome
     finally:
         # Raised here, it would be chained to the body's exception (usually the
         # cancellation that this very failure caused): keep the chain it had.
-        sole.__context__ = context
-        del sole, context
+        outcome.__context__ = context
+        del outcome, context
 
 
-def _sole_failure(
-    group: BaseExceptionGroup[Any], body: BaseException | None
-) -> BaseException | None:
-    """The one exception ``group`` stands for, or ``None`` when it holds several failures.
+def _outcome(group: BaseExceptionGroup[Any], body: BaseException | None) -> BaseException | None:
+    """What leaves a block instead of ``group``, the exception group of its task group.
 
-    Cancellations in the group are the task group's own doing (or an outer
-    scope's, which cancels again at the next checkpoint): they are not
-    failures. What is left is the body's exception and what the group's tasks
-    raised (a process-level exception of a loader, a size callable or a
-    releaser); one of them alone is the answer.
+    ``body`` (the block's own exception, or ``None``) when that is all that
+    happened; else the one failure of the group's tasks (a process-level
+    exception of a loader, a size callable or a releaser); else ``group``
+    itself. Not failures: cancellations (the task group's own doing, or an
+    outer scope's, which cancels again at the next checkpoint), and on asyncio
+    a ``KeyboardInterrupt`` or ``SystemExit`` of a task, which left through
+    the event loop already (asyncio re-raises them from the loop); raised
+    again from the main task, it would stop the runner's cleanup, leaving
+    worker threads that hold the process at exit.
     """
-    cancelled = anyio.get_cancelled_exc_class()
-    failures = [error for error in group.exceptions if not isinstance(error, cancelled)]
-    if body is not None and not isinstance(body, cancelled):
-        return body if all(_same(error, body) for error in failures) else None
-    return failures[0] if len(failures) == 1 else None
+    ignored: tuple[type[BaseException], ...] = (anyio.get_cancelled_exc_class(),)
+    if _running_backend() == "asyncio":
+        ignored += (KeyboardInterrupt, SystemExit)
+    failures = [error for error in group.exceptions if not isinstance(error, ignored)]
+    if body is not None and not isinstance(body, anyio.get_cancelled_exc_class()):
+        return body if all(_same(error, body) for error in failures) else group
+    if not failures:
+        return body
+    return failures[0] if len(failures) == 1 else group
 
 
 def _same(error: BaseException, body: BaseException) -> bool:
