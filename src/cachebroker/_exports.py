@@ -8,6 +8,7 @@ where users import it from and where pickle finds it again, instead of
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Iterable, Mapping
 
 
@@ -21,4 +22,20 @@ def claim(module: str, namespace: Mapping[str, object], names: Iterable[str]) ->
         if not (inspect.isclass(obj) or inspect.isfunction(obj)):
             continue
         if obj.__module__.startswith("cachebroker._"):
+            if inspect.isclass(obj):
+                _resolve_annotations(obj)
             obj.__module__ = module
+
+
+def _resolve_annotations(cls: type) -> None:
+    """Evaluate ``cls``'s own string annotations in the module that wrote them.
+
+    ``typing.get_type_hints`` (and attrs' ``resolve_types``, cattrs, ...)
+    looks their names up in ``sys.modules[cls.__module__]``, which is about
+    to be the public module, where ``Mapping`` or ``Callable`` are unknown.
+    """
+    own = inspect.get_annotations(cls)
+    if not own:
+        return
+    hints = typing.get_type_hints(cls, include_extras=True)
+    cls.__annotations__ = {name: hints[name] for name in own}
