@@ -51,6 +51,23 @@ def _public_callables() -> list[tuple[str, object]]:
     return found
 
 
+def test_public_classes_and_functions_report_their_public_module() -> None:
+    """``__module__`` is where users import them from: reprs, tracebacks and pickles say so."""
+    import importlib
+    import inspect
+    import typing
+
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                assert obj.__module__ == module_name, f"{module_name}.{name}: {obj.__module__}"
+                assert getattr(importlib.import_module(obj.__module__), obj.__qualname__) is obj
+                if inspect.isclass(obj):  # moved classes' annotations still resolve
+                    typing.get_type_hints(obj)
+
+
 def test_every_public_name_has_a_docstring_and_async_ones_say_what_cancellation_does() -> None:
     import inspect
 

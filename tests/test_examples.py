@@ -58,6 +58,59 @@ async def test_asgi_service_serves_concurrent_models_under_a_tight_budget() -> N
     assert service.speech.loaded == set() and service.text.loaded == set()  # closed: released
 
 
+async def test_asgi_service_answers_broker_errors_with_http_statuses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    service = load_example("asgi_service")
+    app, MiB = service.app, service.MiB
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            # A model above the whole 64 MiB budget: 413, naming it.
+            monkeypatch.setattr(service.text, "size", 128 * MiB)
+            too_large = await client.post("/generate/giant", content="hi")
+            assert too_large.status_code == 413, too_large.text
+            assert too_large.json()["error"] == "RequestTooLarge"
+            assert "text:'giant' needs 128.0 MiB" in too_large.json()["detail"]
+            monkeypatch.setattr(service.text, "size", 32 * MiB)
+
+            # Out of memory with nothing left to free: 503, no promise of when.
+            async def out_of_memory(name: str) -> object:
+                raise MemoryError
+
+            monkeypatch.setattr(service.speech, "load", out_of_memory)
+            full = await client.post("/transcribe/whisper-base", content="hi")
+            assert (full.status_code, full.json()["error"]) == (503, "OutOfSpace"), full.text
+            assert "retry-after" not in full.headers
+            monkeypatch.undo()
+
+            # Other requests hold the memory: a timeout, 503 with Retry-After.
+            held, done = anyio.Event(), anyio.Event()
+            speech_cache, text_cache = app.state.speech, app.state.text
+
+            async def hold() -> None:
+                load = service.speech.load
+                async with speech_cache.acquire("a", load=lambda: load("a"), size=24 * MiB):
+                    async with text_cache.acquire("b", load=lambda: load("b"), size=32 * MiB):
+                        held.set()
+                        await done.wait()
+
+            monkeypatch.setattr(service, "ACQUIRE_TIMEOUT", 0.05)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(hold)
+                await held.wait()
+                busy = await client.post("/generate/llama", content="hi")
+                done.set()
+            assert (busy.status_code, busy.json()["error"]) == (503, "AcquireTimeout"), busy.text
+            assert busy.headers["retry-after"] == str(service.RETRY_AFTER)
+            assert "text:'llama'" in busy.json()["detail"]
+
+            # The service's own bug (a handler holding what it waits for): 500, no details.
+            async with text_cache.acquire("c", load=lambda: service.text.load("c"), size=48 * MiB):
+                stuck = await client.post("/generate/llama", content="hi")  # in this task
+            assert (stuck.status_code, stuck.json()) == (500, {"error": "internal error"})
+
+
 async def test_thread_plugin_calls_its_library_from_one_thread() -> None:
     recipe = load_example("thread_plugin")
     library = await recipe.main()

@@ -4,7 +4,10 @@ Run it with any ASGI server, e.g. ``uvicorn asgi_service:app``; the test suite
 drives it in-process with httpx. The "models" are buffers standing in for
 real weights: speech models of 24 MiB and text models of 32 MiB under a 64 MiB
 budget, so concurrent requests for different models must take turns, and
-``/metrics`` shows the evictions.
+``/metrics`` shows the evictions. The broker's errors become HTTP statuses
+(``broker_error``): 413 for a model that can never fit, 503 with
+``Retry-After`` for a request that timed out waiting, 503 when memory ran out,
+500 for a deadlock (a bug in the service).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ import cachebroker
 from cachebroker.metrics import instrument
 
 MiB = 2**20
+#: Seconds a request waits for its model (space, then the load) before a 503.
+ACQUIRE_TIMEOUT = 30.0
+#: Seconds a client is told to wait before retrying after that 503.
+RETRY_AFTER = 5
 
 
 class Model:
@@ -66,7 +73,7 @@ async def infer(request: Request, cache: cachebroker.Cache, plugin: ModelPlugin)
     name = request.path_params["model"]
     body = (await request.body()).decode()
     load = lambda: plugin.load(name)  # noqa: E731 - the loader takes no argument
-    async with cache.acquire(name, load=load, size=plugin.size, timeout=30) as lease:
+    async with cache.acquire(name, load=load, size=plugin.size, timeout=ACQUIRE_TIMEOUT) as lease:
         await anyio.sleep(0.005)  # inference holds the lease
         return JSONResponse({"output": lease.value.run(body)})
 
@@ -77,6 +84,26 @@ async def transcribe(request: Request) -> JSONResponse:
 
 async def generate(request: Request) -> JSONResponse:
     return await infer(request, request.app.state.text, text)
+
+
+async def broker_error(request: Request, exc: Exception) -> JSONResponse:
+    """Answer a request that failed in the broker with the HTTP status that says why."""
+    headers: dict[str, str] = {}
+    if isinstance(exc, cachebroker.RequestTooLarge):
+        status = 413  # the model exceeds the whole budget: no retry will ever fit it
+    elif isinstance(exc, cachebroker.AcquireTimeout):
+        status = 503  # busy: other requests hold the memory (or the load was slow)
+        headers["Retry-After"] = str(RETRY_AFTER)
+    elif isinstance(exc, cachebroker.OutOfSpace):
+        # Nothing left to free: the device is full from outside, or quarantined
+        # entries hold the memory. 503, not 507: 507 (Insufficient Storage) is
+        # WebDAV's, and clients and load balancers know 503 as "this instance
+        # cannot serve now"; no Retry-After, since nobody knows when it will.
+        status = 503
+    else:  # DeadlockError and the rest: a bug in this service, not the client's doing
+        return JSONResponse({"error": "internal error"}, status_code=500)
+    body = {"error": type(exc).__name__, "detail": str(exc)}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def metrics(request: Request) -> Response:
@@ -101,4 +128,5 @@ app = Starlette(
         Route("/metrics", metrics),
     ],
     lifespan=lifespan,
+    exception_handlers={cachebroker.BrokerError: broker_error},
 )

@@ -6,6 +6,7 @@ the owning plugin to release idle values, awaits its acknowledgement, and only
 then hands the space to the requester.
 """
 
+from . import _exports
 from ._broker import Broker as Broker
 from ._broker import Cache as Cache
 from ._broker import Lease as Lease
@@ -68,3 +69,7 @@ __all__ = (
     "format_bytes",
     "parse_bytes",
 )
+
+# Public names claim this module (tracebacks, reprs and pickles name
+# ``cachebroker.X``), whichever private module defines them.
+_exports.claim(__name__, globals(), __all__)

@@ -34,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(args, commands.choices["simulate"])
     from ._demo import run_demo
+    from ._errors import BrokerError
     from ._sizes import parse_bytes
 
     if args.sessions < 1:
@@ -42,10 +43,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parse_bytes(args.budget, what="--budget")
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
-    anyio.run(
-        lambda: run_demo(budget=args.budget, sessions=args.sessions, seed=args.seed),
-        backend=args.backend,
-    )
+    try:
+        anyio.run(
+            lambda: run_demo(budget=args.budget, sessions=args.sessions, seed=args.seed),
+            backend=args.backend,
+        )
+    except BrokerError as exc:
+        print(f"cachebroker demo: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -35,6 +35,7 @@ from collections.abc import (
     Generator,
     Hashable,
     Iterable,
+    Iterator,
     Mapping,
 )
 from contextlib import AbstractAsyncContextManager
@@ -73,7 +74,7 @@ from ._errors import (
     WrongEventLoop,
 )
 from ._policy import Policy, make_policy
-from ._sizes import parse_budget, parse_bytes, parse_size
+from ._sizes import format_bytes, parse_budget, parse_bytes, parse_size
 from ._stats import EvictionReport, Stats
 from .probes import Probe
 
@@ -222,6 +223,81 @@ def _classify(exc: BaseException) -> _Fault:
     if isinstance(exc, Exception | asyncio.CancelledError):
         return _Fault.FAILED
     return _Fault.FATAL
+
+
+async def _exit_task_group(
+    tg: anyio.abc.TaskGroup,
+    exc_type: type[BaseException] | None,
+    exc: BaseException | None,
+    tb: TracebackType | None,
+) -> bool:
+    """Exit a block's own task group so that what happened comes out as itself.
+
+    The broker's and each cache's task group are an implementation detail;
+    anyio wraps whatever leaves one in an exception group. What leaves the
+    block instead is chosen by ``_outcome``: the body's own exception
+    (``exc``; the caller returns ``False`` and it propagates untouched, its
+    traceback, ``__cause__`` and ``__context__`` as the body set them), a
+    single failure of the group's own tasks, raised as itself, or the group,
+    for several independent failures at once.
+    """
+    try:
+        return bool(await tg.__aexit__(exc_type, exc, tb))
+    except BaseExceptionGroup as group:
+        outcome = _outcome(group, exc)
+        if outcome is group:
+            raise
+    if outcome is exc or outcome is None:
+        return False
+    context = outcome.__context__
+    try:
+        raise outcome
+    finally:
+        # Raised here, it would be chained to the body's exception (usually the
+        # cancellation that this very failure caused): keep the chain it had.
+        outcome.__context__ = context
+        del outcome, context
+
+
+def _outcome(group: BaseExceptionGroup[Any], body: BaseException | None) -> BaseException | None:
+    """What leaves a block instead of ``group``, the exception group of its task group.
+
+    ``body`` (the block's own exception, or ``None``) when that is all that
+    happened; else the one failure of the group's tasks (a process-level
+    exception of a loader, a size callable or a releaser); else ``group``
+    itself. Not failures: cancellations (the task group's own doing, or an
+    outer scope's, which cancels again at the next checkpoint), and on asyncio
+    a ``KeyboardInterrupt`` or ``SystemExit`` of a task, which left through
+    the event loop already (asyncio re-raises them from the loop); raised
+    again from the main task, it would stop the runner's cleanup, leaving
+    worker threads that hold the process at exit.
+    """
+    ignored: tuple[type[BaseException], ...] = (anyio.get_cancelled_exc_class(),)
+    if _running_backend() == "asyncio":
+        ignored += (KeyboardInterrupt, SystemExit)
+    failures = [error for error in group.exceptions if not isinstance(error, ignored)]
+    if body is not None and not isinstance(body, anyio.get_cancelled_exc_class()):
+        return body if all(_same(error, body) for error in failures) else group
+    if not failures:
+        return body
+    return failures[0] if len(failures) == 1 else group
+
+
+def _same(error: BaseException, body: BaseException) -> bool:
+    """Whether ``error`` is ``body``, or (trio copies groups it passes on) a copy of its group."""
+    if error is body:
+        return True
+    if not isinstance(error, BaseExceptionGroup) or not isinstance(body, BaseExceptionGroup):
+        return False
+    return {id(leaf) for leaf in _leaves(error)} == {id(leaf) for leaf in _leaves(body)}
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
 
 
 def _is_async_callable(func: object) -> bool:
@@ -503,8 +579,8 @@ class Broker:
             self._running = False
             self._core.closed = True
             tg.cancel_scope.cancel()
-            await tg.__aexit__(exc_type, exc, tb)
-        return None
+            suppressed = await _exit_task_group(tg, exc_type, exc, tb)
+        return suppressed
 
     def cache(
         self, name: str, releaser: Releaser | ReleaseFunction
@@ -691,14 +767,6 @@ class Broker:
             "with anyio.from_thread.run() or asyncio.run_coroutine_threadsafe()"
         )
 
-    def _check_size(self, size: object, seen: dict[object, None]) -> None:
-        """Check a size given to ``acquire`` (raising as ``parse_size``); remember plain ones."""
-        if callable(size):
-            return
-        parse_size(size, self._budget)
-        if size.__class__ in _PLAIN and len(seen) < 1024:
-            seen[size] = None
-
     def _end_lease(self, entry: Entry, task: object) -> None:
         """End a lease on the broker's loop (called soon, from any thread)."""
         self._core.lease_end(entry, task, self._clock())
@@ -831,7 +899,8 @@ class Broker:
         cache_name = entry.owner.name
         if fault is _Fault.CANCELLED:
             self._emit("info", ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
-            self._core.load_failed(entry, BrokerClosed("the load was cancelled"), cancelled=True)
+            cancelled = BrokerClosed(f"the load of {cache_name}:{entry.key!r} was cancelled")
+            self._core.load_failed(entry, cancelled, cancelled=True)
         else:
             self._emit("warning", ev.LOAD_FAILED, cache=cache_name, key=entry.key, error=repr(exc))
             error = exc
@@ -1073,7 +1142,8 @@ class Broker:
             self._core.release_failed(
                 entry,
                 ReleaseFailed(
-                    f"cache {entry.owner.name!r} was closed before {entry.key!r} could be released"
+                    f"cache {entry.owner.name!r} was closed before "
+                    f"{entry.owner.name}:{entry.key!r} could be released"
                 ),
             )
             slot.released.set()
@@ -1160,7 +1230,7 @@ class Broker:
         """Book a release that raised ``exc`` (quarantined); return whether it must propagate."""
         fault = _classify(exc)
         if fault is _Fault.CANCELLED:
-            failure = ReleaseFailed("the release was cancelled")
+            failure = ReleaseFailed(f"releasing {entry.owner.name}:{entry.key!r} was cancelled")
         else:
             failure = ReleaseFailed(f"releasing {entry.owner.name}:{entry.key!r} raised {exc!r}")
             failure.__cause__ = exc
@@ -1387,13 +1457,13 @@ class _CacheBlock:
             cache._tg.cancel_scope.cancel()
             broker = self._broker
             try:
-                await cache._tg.__aexit__(exc_type, exc, tb)
+                suppressed = await _exit_task_group(cache._tg, exc_type, exc, tb)
             finally:
                 broker._caches.pop(cache._owner, None)
                 broker._core.forget_owner(cache._owner)
         if outstanding and exc_type is None:
             raise LeasesOutstanding(cache.name, outstanding, cache._shut_wait)
-        return None
+        return suppressed
 
 
 class Cache:
@@ -1547,9 +1617,12 @@ class Cache:
         # Arguments are checked on every call, hits included: code that works
         # with a warm cache must not fail after an eviction.
         if not callable(load):
-            raise TypeError(f"load must be a callable taking no argument, got {load!r}")
+            raise TypeError(
+                f"acquiring {self.name}:{key!r}: load must be a callable taking no argument, "
+                f"got {load!r}"
+            )
         if size is not None and (size.__class__ not in _PLAIN or size not in self._sizes_seen):
-            self._broker._check_size(size, self._sizes_seen)
+            self._check_size(key, size)
         if timeout is not None:
             timeout = _positive_seconds(timeout, "timeout", inf_is_none=True)
         if cost is None and idle_ttl is None and pin is False and measure is None:
@@ -1582,7 +1655,9 @@ class Cache:
         """
         broker = self._broker
         if self._closed:
-            raise BrokerClosed(f"cache {self.name!r} is closed")
+            raise BrokerClosed(
+                f"cache {self.name!r} is closed: cannot invalidate {self.name}:{key!r}"
+            )
         broker._check_running()
         entry = self._find(key)
         dropped = broker._core.invalidate(self._owner, key)
@@ -1601,7 +1676,7 @@ class Cache:
         """
         broker = self._broker
         if self._closed:
-            raise BrokerClosed(f"cache {self.name!r} is closed")
+            raise BrokerClosed(f"cache {self.name!r} is closed: cannot unpin {self.name}:{key!r}")
         broker._check_running()
         self._find(key)
         unpinned = broker._core.unpin(self._owner, key, broker._clock())
@@ -1612,12 +1687,23 @@ class Cache:
         await anyio.lowlevel.checkpoint()
         return unpinned
 
+    def _check_size(self, key: Hashable, size: object) -> None:
+        """Check a size given to ``acquire`` (raising as ``parse_size``); remember plain ones."""
+        if callable(size):
+            return
+        try:
+            parse_size(size, self._broker._budget)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"acquiring {self.name}:{key!r}: {exc}") from None
+        if size.__class__ in _PLAIN and len(self._sizes_seen) < 1024:
+            self._sizes_seen[size] = None
+
     def _find(self, key: Hashable) -> Entry | None:
         try:
             return self._entries.get(key)
         except TypeError:
             raise InvalidKey(
-                f"cache keys must be hashable, got {type(key).__name__} {key!r}"
+                f"keys of cache {self.name!r} must be hashable, got {type(key).__name__} {key!r}"
             ) from None
 
     async def _acquire_slow(
@@ -1634,10 +1720,15 @@ class Cache:
         broker._trace = broker._debug_check(_DEBUG)  # see Broker.__init__
         self._find(key)  # an unhashable key is an InvalidKey
         if self._closed or not broker._running:
-            raise BrokerClosed(f"cache {self.name!r} is closed")
+            raise BrokerClosed(f"cache {self.name!r} is closed: cannot acquire {self.name}:{key!r}")
         if callable(size):
             measure, size = size, None
-        need = None if size is None and measure is not None else parse_size(size, broker._budget)
+        need = None
+        if size is not None or measure is None:
+            try:
+                need = parse_size(size, broker._budget)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"acquiring {self.name}:{key!r}: {exc}") from None
         task = broker._current_task()
         core = broker._core
         if broker._probes:
@@ -1683,11 +1774,14 @@ class Cache:
                         await done.wait()
         except TimeoutError:
             if ticket.outcome is None:
+                waiting_for, what = _waiting_for(entry)
                 core.leave(ticket)
                 broker._apply()
                 raise AcquireTimeout(
-                    f"acquiring {self.name}:{entry.key!r} did not complete within {timeout:g}s "
-                    f"(entry was {entry.state.value})"
+                    f"acquiring {self.name}:{entry.key!r} did not complete within {timeout:g}s: "
+                    f"it was waiting for {what}",
+                    entry=f"{self.name}:{entry.key!r}",
+                    waiting_for=waiting_for,
                 ) from None
             # Settled just as the deadline passed: the outcome stands.
         except BaseException:
@@ -1769,8 +1863,8 @@ class Lease(Generic[T_co]):
         # this step, without building a coroutine (docs/architecture.md).
         if self._task is not _PENDING:
             raise RuntimeError(
-                f"this lease on {self.key!r} was already awaited or entered; a lease is "
-                "acquired once: call cache.acquire() again for another"
+                f"this lease on {self._cache.name}:{self.key!r} was already awaited or entered; "
+                "a lease is acquired once: call cache.acquire() again for another"
             )
         self._task = _ACQUIRING
         cache = self._cache
@@ -1833,9 +1927,11 @@ class Lease(Generic[T_co]):
         entry = self._entry
         if entry is None:
             if self._task is _RELEASED:
-                raise LeaseReleased(f"the lease on {self.key!r} was released; acquire it again")
+                raise LeaseReleased(
+                    f"the lease on {self._cache.name}:{self.key!r} was released; acquire it again"
+                )
             raise RuntimeError(
-                f"the lease on {self.key!r} is not acquired yet: "
+                f"the lease on {self._cache.name}:{self.key!r} is not acquired yet: "
                 "await cache.acquire(...) or use it with 'async with'"
             )
         return cast(T_co, entry.value)
@@ -1980,6 +2076,20 @@ def _positive_seconds(value: object, what: str, *, inf_is_none: bool = False) ->
     if not math.isfinite(seconds) or seconds <= 0:
         raise InvalidArgument(f"{what} must be a positive number of seconds or None, got {value!r}")
     return seconds
+
+
+def _waiting_for(entry: Entry) -> tuple[str | None, str]:
+    """What a request of ``entry`` still waits for: ``AcquireTimeout.waiting_for``, and in words."""
+    if entry.state is State.LOADING:
+        return "load", "its load to finish"
+    if entry.state is not State.WAITING:
+        return None, f"the entry, which was {entry.state.value}"
+    if entry.after is not None:
+        return "release", "the release of the key's previous value"
+    need = ", ".join(f"{format_bytes(n)} in {name!r}" for name, n in entry.need.items())
+    if entry.gated:
+        return "space", "space, behind another load of unknown size (measured first)"
+    return "space", f"space ({need})" if need else "space"
 
 
 def _own_copy(error: BaseException) -> BaseException:

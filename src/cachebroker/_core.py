@@ -26,6 +26,7 @@ Invariants kept after every step:
 
 from __future__ import annotations
 
+import copy
 import enum
 import heapq
 import itertools
@@ -256,6 +257,16 @@ class Entry:
         return f"<Entry {self.owner.name}:{self.key!r} {self.state.value} leases={self.leases}>"
 
 
+def _naming(error: BaseException, entry: Entry) -> BaseException:
+    """``error`` as the requesters of ``entry`` get it: its type, a message naming the entry."""
+    try:
+        named = copy.copy(error)
+        named.args = (f"{error} while acquiring {entry.owner.name}:{entry.key!r}",)
+    except Exception:  # an exception that cannot be copied is given as it is
+        return error
+    return named
+
+
 def _shrink_if_empty(container: dict[Any, Any] | set[Any]) -> None:
     """Give an emptied container's table back: CPython keeps a dict's or set's
     peak size until it is cleared, so a burst would hold memory for good."""
@@ -368,7 +379,7 @@ class Core:
         owner.closing = True
         for entry in list(owner.live):
             if entry.state in (State.WAITING, State.LOADING):
-                self._fail_joiners(entry, error)
+                self._fail_joiners(entry, _naming(error, entry))
                 if entry.state is State.WAITING:
                     self._drop_waiting(entry)
                 else:
@@ -466,7 +477,9 @@ class Core:
             BrokerClosed: the owner is closing.
         """
         if owner.closing:
-            raise BrokerClosed(f"cache {owner.name!r} is closed")
+            raise BrokerClosed(
+                f"cache {owner.name!r} is closed: cannot acquire {owner.name}:{key!r}"
+            )
         entry = owner.entries.get(key)
         if entry is not None and entry.state is State.RELEASING:
             entry = entry.successor
@@ -672,9 +685,10 @@ class Core:
             if pinned and amount > space.capacity - sum(e.charge[name] for e in pinned):
                 shown = [(e.owner.name, e.key) for e in pinned]
                 raise DeadlockError(
-                    f"acquiring {owner.name}:{key!r} needs {amount} bytes in space "
+                    f"acquiring {owner.name}:{key!r} needs {format_bytes(amount)} in space "
                     f"{name!r}, which can only be freed by evicting entries leased by "
-                    f"the requesting task itself: {shown}; release them first",
+                    f"the requesting task itself: {', '.join(f'{c}:{k!r}' for c, k in shown)}; "
+                    "release them first",
                     shown,
                 )
 
@@ -804,7 +818,8 @@ class Core:
             return
         owner = entry.owner
         if entry.joiners:
-            self._fail_joiners(entry, BrokerClosed(f"cache {owner.name!r} was closed"))
+            closed = f"cache {owner.name!r} was closed while acquiring {owner.name}:{entry.key!r}"
+            self._fail_joiners(entry, BrokerClosed(closed))
         self._detach(entry)
         entry.state = State.RELEASING
         for name, amount in entry.charge.items():

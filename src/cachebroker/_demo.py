@@ -17,6 +17,7 @@ import anyio
 import structlog
 
 from ._broker import Broker, Cache
+from ._errors import BrokerError
 from ._sizes import format_bytes, parse_bytes
 
 MiB = 2**20
@@ -86,7 +87,12 @@ def _render(out: TextIO) -> Callable[[Any, str, MutableMapping[str, Any]], str]:
 async def run_demo(
     *, budget: str = "96MiB", sessions: int = 24, seed: int = 7, out: TextIO = sys.stdout
 ) -> int:
-    """Run the demo and return the peak bytes the plugins held at once."""
+    """Run the demo and return the peak bytes the plugins held at once.
+
+    Raises:
+        BrokerError: a session's request failed (the first such error), e.g.
+            ``RequestTooLarge`` for a model larger than the whole budget.
+    """
     limit = parse_bytes(budget, what="budget")
     rng = random.Random(seed)
     logger = structlog.wrap_logger(
@@ -104,21 +110,30 @@ async def run_demo(
                 order = [rng.choice(CATALOGUE) for _ in range(sessions)]
                 slots = anyio.Semaphore(3)
 
+                failed: list[BrokerError] = []
+
                 async def session(number: int, plugin: str, key: str, size: int) -> None:
                     async with slots:
                         print(f"session {number:>2}: {plugin} wants {key}", file=out)
                         owner = plugins[plugin]
                         load = owner.loader(key, size, threaded=plugin == "speech")
-                        async with caches[plugin].acquire(key, load=load, size=size) as lease:
-                            if (plugin, key) not in held:
-                                owner.loaded(key, size)
-                            assert len(lease.value) == size
-                            await anyio.sleep(rng.uniform(0.005, 0.03))
+                        try:
+                            async with caches[plugin].acquire(key, load=load, size=size) as lease:
+                                if (plugin, key) not in held:
+                                    owner.loaded(key, size)
+                                assert len(lease.value) == size
+                                await anyio.sleep(rng.uniform(0.005, 0.03))
+                        except BrokerError as exc:  # e.g. a model larger than the budget
+                            failed.append(exc)
+                            tg.cancel_scope.cancel()
 
                 async with anyio.create_task_group() as tg:
                     for number, (plugin, key, size) in enumerate(order, 1):
                         tg.start_soon(session, number, plugin, key, size)
                         await anyio.sleep(0.004)
+                if failed:
+                    # The first error alone, as itself: not the sessions' exception group.
+                    raise failed[0]
         stats = await broker.stats()
     peak = max(p.peak for p in plugins.values())  # ``held`` is shared: each peak is global
     print("\nfinal stats:", file=out)

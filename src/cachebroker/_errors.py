@@ -7,6 +7,7 @@ Errors about bad arguments also derive from the matching built-in
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any, TypeVar
 
 __all__ = [
     "BrokerClosed",
@@ -27,6 +28,12 @@ __all__ = [
 
 class BrokerError(Exception):
     """Base class of every error raised by cachebroker."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses' __init__ take other arguments than ``args`` (the message),
+        # which is what pickle and copy would call them with: rebuild the
+        # exception without __init__, then restore its attributes.
+        return _rebuild, (type(self), self.args), self.__dict__ or None
 
 
 class InvalidArgument(BrokerError, ValueError):
@@ -71,7 +78,23 @@ class DeadlockError(BrokerError, RuntimeError):
 
 
 class AcquireTimeout(BrokerError, TimeoutError):
-    """``acquire(timeout=...)`` ran out of time waiting for space or for a load."""
+    """``acquire(timeout=...)`` ran out of time waiting for space or for a load.
+
+    Attributes:
+        entry: The entry it was about, as ``cache:key`` (``None`` when unknown).
+        waiting_for: What the request still waited for: ``"space"`` (admission:
+            other entries had to be released first; worth retrying later),
+            ``"load"`` (the entry's load, shared with other requesters), or
+            ``"release"`` (the key's previous value was being released);
+            ``None`` when unknown.
+    """
+
+    def __init__(
+        self, message: str, *, entry: str | None = None, waiting_for: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.entry = entry
+        self.waiting_for = waiting_for
 
 
 class BrokerClosed(BrokerError, RuntimeError):
@@ -98,7 +121,7 @@ class LeasesOutstanding(BrokerError, RuntimeError):
     """A cache block was left while some of its entries were still leased."""
 
     def __init__(self, cache: str, keys: Sequence[Hashable], waited: float) -> None:
-        shown = ", ".join(repr(k) for k in list(keys)[:10])
+        shown = ", ".join(f"{cache}:{key!r}" for key in list(keys)[:10])
         more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
         super().__init__(
             f"cache {cache!r} was closed with {len(keys)} entr"
@@ -115,3 +138,13 @@ class WrongEventLoop(BrokerError, RuntimeError):
 
 class LeaseReleased(BrokerError, RuntimeError):
     """The value of a lease was used after the lease was released."""
+
+
+_E = TypeVar("_E", bound=BrokerError)
+
+
+def _rebuild(cls: type[_E], args: tuple[Any, ...]) -> _E:
+    """Unpickle (or copy) a ``BrokerError``: its ``args`` as they were, no ``__init__``."""
+    error = cls.__new__(cls, *args)
+    error.args = args  # OSError's __new__ (AcquireTimeout's) leaves them to __init__
+    return error

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from . import _exports
 from ._bound import Bound, offline_bound
 from ._errors import InvalidArgument
 from ._policy import make_policy
@@ -256,3 +257,8 @@ def plot(
         ImportError: matplotlib is not installed.
     """
     figure(comparisons, title=title).savefig(os.fspath(path), dpi=110)
+
+
+# Public names claim this module (tracebacks, reprs and pickles name
+# ``cachebroker.simulator.X``), whichever private module defines them.
+_exports.claim(__name__, globals(), __all__)
