@@ -186,6 +186,7 @@ async def test_system_memory_keeps_real_available_memory_above_headroom() -> Non
         pytest.skip("needs 800 MiB of available memory")
     live: dict[str, bytearray] = {}
     lowest = available
+    allowed = 0
 
     class Buffers:
         async def release(self, key: str, value: bytearray) -> None:
@@ -205,8 +206,11 @@ async def test_system_memory_keeps_real_available_memory_above_headroom() -> Non
 
             async with cache.acquire(key, load=make, size={"ram": 200 * MiB}):
                 lowest = min(lowest, psutil.virtual_memory().available)
+                allowed = max(allowed, broker._core.spaces["ram"].capacity)
+                assert sum(len(b) for b in live.values()) <= allowed
         stats = await broker.stats()
-    assert stats.evictions >= 2
-    assert sum(len(b) for b in live.values()) <= 800 * MiB
+    # 800 MiB allowed at the start; other processes may free some meanwhile,
+    # but never the 1,200 MiB that six buffers need.
+    assert stats.evictions >= 1
     # Allow for the rest of the machine moving by up to 150 MiB meanwhile.
     assert lowest >= headroom - 150 * MiB
