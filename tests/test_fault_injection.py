@@ -1008,6 +1008,83 @@ def _contains(error: BaseException, kind: type[BaseException]) -> bool:
     return False
 
 
+# ------------------------------------ found by the machine: a holder waiting on itself
+
+
+async def _released_with_failure(cache: Cache, key: str, size: int) -> None:
+    """Load ``key`` and leave it idle (its release will fail)."""
+
+    async def load() -> str:
+        return key
+
+    async with cache.acquire(key, load=load, size=size):
+        pass
+
+
+async def _fail_releases_of_q(key: str, value: Any) -> None:
+    await anyio.lowlevel.checkpoint()
+    if key == "q":
+        raise ReleaseFault(key)
+
+
+async def _ok() -> str:
+    await anyio.lowlevel.checkpoint()
+    return "v"
+
+
+@pytest.mark.anyio
+async def test_holder_whose_request_only_its_lease_or_forget_could_serve_is_refused() -> None:
+    """Own lease 40 + quarantined 50 of 100: a request for 20 can never be granted."""
+    async with Broker(budget=100) as broker, broker.cache("p", _fail_releases_of_q) as cache:
+        await _released_with_failure(cache, "q", 50)
+        await cache.invalidate("q")
+        assert broker.stats_nowait().quarantined_keys == (("p", "q"),)
+        async with cache.acquire("a", load=_ok, size=40):
+            with anyio.fail_after(5), pytest.raises(DeadlockError, match="forget") as info:
+                await cache.acquire("b", load=_ok, size=20)
+            assert "leased by the requesting task itself" in str(info.value)
+            assert info.value.leases == (("p", "a"),)
+        broker._core.check()
+        assert (await broker.stats()).waiting == 0
+
+
+@pytest.mark.anyio
+async def test_holder_left_waiting_by_a_failed_release_is_refused() -> None:
+    """The victim its request evicts fails to release: only its own lease is left to free."""
+    async with Broker(budget=100) as broker, broker.cache("p", _fail_releases_of_q) as cache:
+        await _released_with_failure(cache, "q", 50)
+        async with cache.acquire("a", load=_ok, size=40):
+            with anyio.fail_after(5), pytest.raises(DeadlockError, match="forget"):
+                await cache.acquire("b", load=_ok, size=20)  # evicts q, whose release fails
+        broker._core.check()
+        stats = await broker.stats()
+        assert (stats.waiting, stats.quarantined_keys) == (0, (("p", "q"),))
+
+
+@pytest.mark.anyio
+async def test_other_requester_of_that_key_waits_on_and_is_served() -> None:
+    """Only the holder's own request is refused; another task's request for the key stays."""
+    async with Broker(budget=100) as broker, broker.cache("p", _fail_releases_of_q) as cache:
+        await _released_with_failure(cache, "q", 50)
+        served = anyio.Event()
+
+        async def other() -> None:
+            async with cache.acquire("b", load=_ok, size=20) as lease:
+                assert lease.value == "v"
+                served.set()
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                async with cache.acquire("a", load=_ok, size=40):
+                    tg.start_soon(other)  # joins b after the holder, waits for the same bytes
+                    with pytest.raises(DeadlockError):
+                        await cache.acquire("b", load=_ok, size=20)
+                    assert not served.is_set()
+                # The holder let a go: b is granted to the other task.
+        assert served.is_set()
+        broker._core.check()
+
+
 # ------------------------------------------------------------------ soak smoke
 
 

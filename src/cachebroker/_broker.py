@@ -672,7 +672,10 @@ class Broker:
             effects, core.effects = core.effects, []
             for kind, subject in effects:
                 if kind is Effect.SETTLED:
-                    subject.shell.done.set()
+                    slot = subject.shell
+                    slot.done.set()
+                    if subject.joiners:  # one requester was refused alone: the rest wait on
+                        slot.done = anyio.Event()
                 elif kind is Effect.START_LOAD:
                     self._start_load(subject)
                 elif kind is Effect.START_RELEASE:
@@ -1546,15 +1549,14 @@ class Cache:
         broker = self._broker
         core = broker._core
         entry = ticket.entry
-        done = entry.shell.done
         try:
             if timeout is None:
                 while ticket.outcome is None:
-                    await done.wait()
+                    await entry.shell.done.wait()
             else:
                 with anyio.fail_after(timeout):
                     while ticket.outcome is None:
-                        await done.wait()
+                        await entry.shell.done.wait()
         except TimeoutError:
             if ticket.outcome is None:
                 core.leave(ticket)
