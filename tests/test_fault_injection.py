@@ -1085,6 +1085,21 @@ async def test_other_requester_of_that_key_waits_on_and_is_served() -> None:
         broker._core.check()
 
 
+@pytest.mark.anyio
+async def test_task_that_dropped_its_lease_is_not_told_it_still_holds_it() -> None:
+    """Found by the machine: ``drop_lease(key='a', size=41, then=('b', 60))``."""
+    async with Broker(budget=100) as broker, broker.cache("p", _fail_releases_of_q) as cache:
+        lease = await cache.acquire("a", load=_ok, size=41)
+        with pytest.warns(ResourceWarning, match="p:'a'"):
+            del lease  # its last reference: collected at once
+        # At once, before the loop ran the callback that ends the dropped lease.
+        with anyio.fail_after(5):
+            async with cache.acquire("b", load=_ok, size=60) as again:
+                assert again.value == "v"
+        broker._core.check()
+        assert broker.stats_nowait().leased == 0
+
+
 # ------------------------------------------------------------------ soak smoke
 
 
