@@ -624,21 +624,34 @@ class BrokerMachine(RuleBasedStateMachine):
     def forget(self, key: str) -> None:
         self._run(self.broker.forget, "p", key)
 
-    @rule(key=KEYS, size=SIZES, release_mode=RELEASE_MODES)
-    def drop_lease(self, key: str, size: int, release_mode: str) -> None:
-        """A task lets its lease be garbage-collected: it warns and is ended on the loop."""
-        self._run(self._drop_lease, key, size, release_mode)
+    @rule(
+        key=KEYS,
+        size=SIZES,
+        release_mode=RELEASE_MODES,
+        then=st.none() | st.tuples(KEYS, SIZES),
+    )
+    def drop_lease(
+        self, key: str, size: int, release_mode: str, then: tuple[str, int] | None
+    ) -> None:
+        """A task lets its lease be garbage-collected: it warns and is ended on the loop.
 
-    async def _drop_lease(self, key: str, size: int, release_mode: str) -> None:
-        request = Request(self.cache, key, size, release_mode=release_mode)
+        ``then``: the task asks for a key again at once. It holds nothing any
+        more, so nothing may tell it that its own lease is in the way.
+        """
+        self._run(self._drop_lease, key, size, release_mode, then)
+
+    async def _drop_lease(
+        self, key: str, size: int, release_mode: str, then: tuple[str, int] | None
+    ) -> None:
+        request = Request(self.cache, key, size, release_mode=release_mode, timeout=0.05)
         try:
             lease = await self.cache.acquire(
                 key, load=self._loader(request), size=size, timeout=0.05
             )
         except Exception as exc:  # AcquireTimeout, or a joined load's error
             reason = undocumented(exc, request)
-            if reason is not None and not isinstance(exc, AcquireTimeout):
-                self.violations.append(f"dropped lease on {key!r}: {reason}")
+            if reason is not None:
+                self.violations.append(f"dropped lease on {key!r}: {reason}: {exc!r}")
             return
         entry = lease._entry
         assert entry is not None
@@ -655,6 +668,17 @@ class BrokerMachine(RuleBasedStateMachine):
         ]
         if len(dropped) != 1:
             self.violations.append(f"dropping a lease on {key!r} warned {caught!r}")
+        if then is not None:
+            again = Request(self.cache, then[0], then[1], release_mode=release_mode, timeout=0.05)
+            try:
+                async with self.cache.acquire(
+                    again.key, load=self._loader(again), size=again.size, timeout=0.05
+                ):
+                    pass
+            except Exception as exc:
+                reason = undocumented(exc, again)
+                if reason is not None:
+                    self.violations.append(f"after dropping a lease: {reason}: {exc!r}")
         await self._let_tasks_run()
         if entry.leases != leases - 1:
             self.violations.append(f"the dropped lease on {key!r} was not ended: {entry!r}")
