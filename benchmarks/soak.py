@@ -371,17 +371,17 @@ class Evidence:
 
     async def release(self, key: str, value: Any) -> None:
         roll = self.rng.random()
-        if roll < 0.003:
+        if roll < 0.004:
             self.faults["release raised"] += 1
             raise OSError("device busy")
-        if roll < 0.004:
+        if roll < 0.005:
             self.faults["release raised a foreign CancelledError"] += 1
             await anyio.lowlevel.checkpoint()
             raise asyncio.CancelledError()  # a library's own, not the broker's
-        if roll < 0.005:
+        if roll < 0.006:
             self.faults["release never returned"] += 1
             await anyio.sleep_forever()
-        if roll < 0.007:
+        if roll < 0.008:
             self.faults["release acknowledged past the timeout"] += 1
             await anyio.sleep(self.args.release_timeout * 2)
         elif roll < 0.05:
