@@ -22,6 +22,7 @@ import copy
 import enum
 import functools
 import inspect
+import itertools
 import logging
 import math
 import numbers
@@ -488,6 +489,9 @@ class Broker:
         self._trace = False
         self._sweep_at: float | None = None
         self._releasing_tasks: set[object] = set()
+        #: Leases garbage-collected while held and not ended yet (``_lease_dropped``).
+        self._dropped: dict[int, tuple[Entry, object]] = {}
+        self._drop_ids = itertools.count()
         self._listeners: list[Listener] = []
         self._release_timeouts = 0
         #: Probed spaces that have had a good reading.
@@ -775,9 +779,17 @@ class Broker:
             self._note_idle(entry)
 
     def _lease_dropped(self, entry: Entry, task: object, key: Hashable) -> None:
-        """A held lease was garbage-collected: end it on the broker's loop, and warn."""
+        """A held lease was garbage-collected: end it on the broker's loop, and warn.
+
+        Not here: a collection may run inside a step of the books, or in
+        another thread. A callback ends it soon; the next request that is not
+        a hit ends it first (``_end_dropped``), so that the dropping task,
+        asking again at once, is not told that its own lease is in the way.
+        """
+        token = next(self._drop_ids)
+        self._dropped[token] = (entry, task)
         with contextlib.suppress(Exception):  # the loop is gone: so are the books' users
-            self._call_soon(self._end_lease, entry, task)
+            self._call_soon(self._end_dropped, token)
         warnings.warn(
             f"a lease on {entry.cache}:{key!r} was garbage-collected while held; it was "
             "ended for you, but end leases with 'async with cache.acquire(...)' or "
@@ -786,6 +798,13 @@ class Broker:
             stacklevel=2,
         )
 
+    def _end_dropped(self, token: int | None = None) -> None:
+        """End the dropped lease ``token`` if it is still pending, or (``None``) every one."""
+        for pending in list(self._dropped) if token is None else [token]:
+            dropped = self._dropped.pop(pending, None)
+            if dropped is not None:
+                self._end_lease(*dropped)
+
     def _apply(self) -> None:
         """Perform the effects queued by the core's last steps (never awaits)."""
         core = self._core
@@ -793,7 +812,10 @@ class Broker:
             effects, core.effects = core.effects, []
             for kind, subject in effects:
                 if kind is Effect.SETTLED:
-                    subject.shell.done.set()
+                    slot = subject.shell
+                    slot.done.set()
+                    if subject.joiners:  # one requester was refused alone: the rest wait on
+                        slot.done = anyio.Event()
                 elif kind is Effect.START_LOAD:
                     self._start_load(subject)
                 elif kind is Effect.START_RELEASE:
@@ -1733,6 +1755,8 @@ class Cache:
         core = broker._core
         if broker._probes:
             broker._refresh_probes()
+        if broker._dropped:
+            broker._end_dropped()  # before their holder is taken to hold them still
         ticket = core.request(self._owner, key, need, task, cost=cost, loading=_LOADING.get())
         entry = ticket.entry
         if entry.state is State.WAITING and task in broker._releasing_tasks:
@@ -1763,15 +1787,14 @@ class Cache:
         broker = self._broker
         core = broker._core
         entry = ticket.entry
-        done = entry.shell.done
         try:
             if timeout is None:
                 while ticket.outcome is None:
-                    await done.wait()
+                    await entry.shell.done.wait()
             else:
                 with anyio.fail_after(timeout):
                     while ticket.outcome is None:
-                        await done.wait()
+                        await entry.shell.done.wait()
         except TimeoutError:
             if ticket.outcome is None:
                 waiting_for, what = _waiting_for(entry)

@@ -472,8 +472,9 @@ class Core:
             RequestTooLarge: ``need`` exceeds a space's whole budget.
             OutOfSpace: ``need`` fits the budget only once quarantined
                 entries are written off (``forget``).
-            DeadlockError: only evicting ``task``'s own leases could make
-                room, or the request waits for a load that waits for it.
+            DeadlockError: only evicting ``task``'s own leases (or writing
+                off quarantined entries) could make room, or the request waits
+                for a load that waits for it.
             BrokerClosed: the owner is closing.
         """
         if owner.closing:
@@ -679,18 +680,75 @@ class Core:
     ) -> None:
         if not mine or all(self.spaces[s].fits(n) for s, n in need.items()):
             return
+        error = self._waits_on_itself(owner, key, need, mine, now=True)
+        if error is not None:
+            raise error
+
+    def _waits_on_itself(
+        self,
+        owner: Owner,
+        key: Hashable,
+        need: Mapping[str, int],
+        mine: list[Entry],
+        *,
+        now: bool,
+    ) -> DeadlockError | None:
+        """The error for a request that only ``mine`` (its task's leases) or ``forget()`` can serve.
+
+        Quarantined bytes come back only through ``forget()``, so they are no
+        room either. ``now``: against the spaces' current capacity (on
+        asking); else against the most they can ever hold, so that a probed
+        space shrunk for a while by other processes refuses nobody waiting.
+        """
         for name, amount in need.items():
             pinned = [e for e in mine if name in e.charge]
+            if not pinned:
+                continue
             space = self.spaces[name]
-            if pinned and amount > space.capacity - sum(e.charge[name] for e in pinned):
+            room = (space.capacity if now else space.limit) - space.quarantined
+            if amount > room - sum(e.charge[name] for e in pinned):
                 shown = [(e.owner.name, e.key) for e in pinned]
-                raise DeadlockError(
+                written_off = (
+                    f" (or by writing off the {format_bytes(space.quarantined)} of quarantined "
+                    "entries with broker.forget())"
+                    if space.quarantined
+                    else ""
+                )
+                return DeadlockError(
                     f"acquiring {owner.name}:{key!r} needs {format_bytes(amount)} in space "
                     f"{name!r}, which can only be freed by evicting entries leased by "
-                    f"the requesting task itself: {', '.join(f'{c}:{k!r}' for c, k in shown)}; "
-                    "release them first",
+                    f"the requesting task itself: {', '.join(f'{c}:{k!r}' for c, k in shown)}"
+                    f"{written_off}; release them first",
                     shown,
                 )
+        return None
+
+    def _refuse_self_waits(self) -> None:
+        """Refuse the lease holders among the waiters that now wait on themselves.
+
+        A release that failed since they asked may have left only their own
+        leases (and ``forget()``) to make room. Only their requests are
+        refused: other requesters of the same entry wait on (for those leases).
+        """
+        for entry in [e for e in self.queue if e.holding]:
+            for ticket in [t for t in entry.joiners if t.holds]:
+                mine = self._leased_by(ticket.task, entry.need, queued=True)
+                error = mine and self._waits_on_itself(
+                    entry.owner, entry.key, entry.need, mine, now=False
+                )
+                if not error:
+                    continue
+                ticket.outcome = error
+                entry.joiners.remove(ticket)
+                entry.holding -= 1
+                if not entry.holding:
+                    self._holding_waiters -= 1
+                if entry.joiners:
+                    self.effects.append((Effect.SETTLED, entry))  # wakes its requester
+                else:
+                    self._fail_joiners(entry, error)
+                    self._drop_waiting(entry)
+                    self._check_empty(entry.owner)
 
     def _check_cycle(
         self, owner: Owner, key: Hashable, entry: Entry, loading: tuple[Entry, ...]
@@ -1284,12 +1342,16 @@ class Core:
         except for requests whose task holds a lease there (or whose loader
         holds a reservation there): the blocked waiter may be waiting for
         exactly that lease, so making them wait in turn would be a deadlock.
-        A waiter that can never be granted without ``forget()`` is refused.
+        A waiter that can never be granted without ``forget()`` is refused, and
+        so is a lease holder's request that only its own leases (or
+        ``forget()``) could serve.
         """
         self._settle()
         if self._overdrawn:
             self._repay()
         self._fair_at = math.inf
+        if self._holding_waiters and self.quarantined:
+            self._refuse_self_waits()
         if not self.queue:
             return
         spaces = self.spaces
