@@ -89,7 +89,6 @@ LOAD_MODES = st.sampled_from(
         "self_thread",
     ]
 )
-SELF_MODES = ("self", "self_helper", "self_thread")
 RELEASE_MODES = st.sampled_from(["ok", "ok", "ok", "raise", "hang", "late", "cancel"])
 SIZE_MODES = st.sampled_from(["declared", "declared", "measure", "unknown"])
 SPACES = st.sampled_from(["default", "default", "dev"])
@@ -257,7 +256,7 @@ class Stuck:
 
 
 class Request:
-    _ids = itertools.count()
+    """One task's request and what became of it (``outcome``, ``second``)."""
 
     def __init__(
         self,
@@ -274,7 +273,6 @@ class Request:
         then: tuple[str, int] | None = None,
         stuck: Stuck | None = None,
     ) -> None:
-        self.id = next(self._ids)
         self.cache = cache
         self.key = key
         self.size = size
