@@ -60,7 +60,7 @@ import structlog
 from _backends import BACKENDS
 
 import cachebroker
-from cachebroker._core import Core
+from cachebroker._core import Core, check_after_every_step
 from cachebroker.probes import Probe
 
 MiB = 2**20
@@ -209,32 +209,6 @@ class Soak:
 
 # ---------------------------------------------------------------------- evidence
 
-#: The core's steps: every call the shell makes into the books (``--check``).
-CORE_STEPS = (
-    "abandon",
-    "clear",
-    "close_owner",
-    "configure",
-    "forget",
-    "forget_owner",
-    "free_for_retry",
-    "hit",
-    "invalidate",
-    "leave",
-    "lease_end",
-    "load_abandoned",
-    "load_done",
-    "load_failed",
-    "merge_spaces",
-    "note_alias_evidence",
-    "open_owner",
-    "release_done",
-    "release_failed",
-    "request",
-    "set_capacity",
-    "sweep",
-    "unpin",
-)
 
 #: How long a loader's own request for its key may wait (it is refused at once).
 INNER_TIMEOUT = 0.25
@@ -243,28 +217,6 @@ INNER_TIMEOUT = 0.25
 SECOND_TIMEOUT = 1.0
 #: A blocked worker thread gives up after this long, should the soak fail.
 GUARD = 60.0
-
-
-def check_every_step(core: Core, failures: list[str], count: list[int]) -> None:
-    """Run ``core.check()`` after each step of ``core``, recording what fails.
-
-    Recorded, not raised: raised inside a load or release task, the assertion
-    would pass for the plugin's fault and change what the broker does.
-    """
-    for name in CORE_STEPS:
-        step = getattr(core, name)
-
-        def checked(*args: Any, _step: Any = step, _name: str = name, **kwargs: Any) -> Any:
-            try:
-                return _step(*args, **kwargs)
-            finally:
-                count[0] += 1
-                try:
-                    core.check()
-                except AssertionError as exc:
-                    failures.append(f"Core.check() after Core.{_name}: {exc!r}")
-
-        setattr(core, name, checked)
 
 
 class Device:
@@ -604,7 +556,7 @@ class Evidence:
         )
         core = broker._core
         if args.check:
-            check_every_step(core, self.check_failures, self.checks)
+            check_after_every_step(core, self.check_failures, self.checks)
         per_task = -(-args.ops // args.tasks)
         started = time.perf_counter()
         with anyio.fail_after(args.hang_limit):  # a hang anywhere fails the soak

@@ -62,7 +62,7 @@ from cachebroker import (
     OutOfSpace,
     RequestTooLarge,
 )
-from cachebroker._core import Core, State
+from cachebroker._core import State, check_after_every_step
 from cachebroker.probes import Probe
 
 BUDGET = 100
@@ -129,54 +129,6 @@ FATAL_PLACES = ["loader", "thread", "measure", "release"]
 QUIET = logging.getLogger("cachebroker.tests.fault_injection")
 QUIET.setLevel(logging.CRITICAL + 1)  # the listener counts what matters
 QUIET.propagate = False
-
-#: The core's steps: every call the shell makes into the books.
-CORE_STEPS = (
-    "abandon",
-    "clear",
-    "close_owner",
-    "configure",
-    "forget",
-    "forget_owner",
-    "free_for_retry",
-    "hit",
-    "invalidate",
-    "leave",
-    "lease_end",
-    "load_abandoned",
-    "load_done",
-    "load_failed",
-    "merge_spaces",
-    "note_alias_evidence",
-    "open_owner",
-    "release_done",
-    "release_failed",
-    "request",
-    "set_capacity",
-    "sweep",
-    "unpin",
-)
-
-
-def check_every_step(core: Core, failures: list[str]) -> None:
-    """Run ``core.check()`` after each of its steps, recording what fails.
-
-    A failed check is recorded rather than raised, so that it cannot change
-    the shell's path (raised inside a load task it would look like a fault).
-    """
-    for name in CORE_STEPS:
-        step = getattr(core, name)
-
-        def checked(*args: Any, _step: Any = step, _name: str = name, **kwargs: Any) -> Any:
-            try:
-                return _step(*args, **kwargs)
-            finally:
-                try:
-                    core.check()
-                except AssertionError as exc:
-                    failures.append(f"Core.check() after Core.{_name}: {exc!r}")
-
-        setattr(core, name, checked)
 
 
 class Device:
@@ -396,7 +348,7 @@ class BrokerMachine(RuleBasedStateMachine):
             probe_interval=0.01,
         )
         self.broker.add_listener(self._listen)
-        check_every_step(self.broker._core, self.violations)
+        check_after_every_step(self.broker._core, self.violations)
         async with self.broker, self.broker.cache("p", self._release) as cache:
             self.cache: Cache = cache
             async with anyio.create_task_group() as tg:
@@ -949,7 +901,7 @@ def run_process_level_scenario(
     """
     broker = Broker(budget={"default": 100, "other": 50}, release_timeout=30, logger=QUIET)
     check_failures: list[str] = []
-    check_every_step(broker._core, check_failures)
+    check_after_every_step(broker._core, check_failures)
     got: list[BaseException] = []
 
     async def release(key: str, value: Any) -> None:

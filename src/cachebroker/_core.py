@@ -1640,3 +1640,55 @@ class Core:
             assert space.quarantined == quarantined[name], (name, space.quarantined)
             if name not in self._overdrawn:
                 assert space.used <= space.capacity, (name, space.used, space.capacity)
+
+
+#: Every step the shell takes on the books: what ``check_after_every_step`` wraps.
+STEPS = (
+    "abandon",
+    "clear",
+    "close_owner",
+    "configure",
+    "forget",
+    "forget_owner",
+    "free_for_retry",
+    "hit",
+    "invalidate",
+    "leave",
+    "lease_end",
+    "load_abandoned",
+    "load_done",
+    "load_failed",
+    "merge_spaces",
+    "note_alias_evidence",
+    "open_owner",
+    "release_done",
+    "release_failed",
+    "request",
+    "set_capacity",
+    "sweep",
+    "unpin",
+)
+
+
+def check_after_every_step(core: Core, failures: list[str], count: list[int] | None = None) -> None:
+    """The test build: run ``core.check()`` after each of ``core``'s steps.
+
+    A failed check is recorded in ``failures``, not raised: raised inside a
+    load or release task, the assertion would pass for the plugin's fault and
+    change what the broker does. ``count[0]``, if given, counts the checks.
+    """
+    for name in STEPS:
+        step = getattr(core, name)
+
+        def checked(*args: Any, _step: Any = step, _name: str = name, **kwargs: Any) -> Any:
+            try:
+                return _step(*args, **kwargs)
+            finally:
+                if count is not None:
+                    count[0] += 1
+                try:
+                    core.check()
+                except AssertionError as exc:
+                    failures.append(f"Core.check() after Core.{_name}: {exc!r}")
+
+        setattr(core, name, checked)
