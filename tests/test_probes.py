@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 import types
 from collections.abc import MutableMapping
@@ -180,6 +181,7 @@ async def test_system_memory_keeps_real_available_memory_above_headroom() -> Non
     """Real buffers of 200 MiB against this machine's RAM, with 800 MiB allowed."""
     psutil = pytest.importorskip("psutil")
     MiB = 2**20
+    gc.collect()  # what earlier tests left for the collector is not the broker's
     available = psutil.virtual_memory().available
     headroom = available - 800 * MiB
     if headroom < 0:
@@ -212,5 +214,6 @@ async def test_system_memory_keeps_real_available_memory_above_headroom() -> Non
     # 800 MiB allowed at the start; other processes may free some meanwhile,
     # but never the 1,200 MiB that six buffers need.
     assert stats.evictions >= 1
-    # Allow for the rest of the machine moving by up to 150 MiB meanwhile.
-    assert lowest >= headroom - 150 * MiB
+    # Allow for the rest of the machine moving by up to 190 MiB meanwhile:
+    # less than one buffer, so overshooting by a buffer still fails.
+    assert lowest >= headroom - 190 * MiB

@@ -1206,6 +1206,8 @@ class Core:
         for space, amount in entry.weights:
             space.quarantined += amount
         self.effects.append((Effect.QUARANTINED, entry))
+        if self._holding_waiters:  # less room for good: a holder may now wait on itself
+            self._refuse_self_waits()
 
     def _unquarantine(self, entry: Entry) -> None:
         del self.quarantined[entry]
@@ -1342,16 +1344,14 @@ class Core:
         except for requests whose task holds a lease there (or whose loader
         holds a reservation there): the blocked waiter may be waiting for
         exactly that lease, so making them wait in turn would be a deadlock.
-        A waiter that can never be granted without ``forget()`` is refused, and
-        so is a lease holder's request that only its own leases (or
-        ``forget()``) could serve.
+        A waiter that can never be granted without ``forget()`` is refused.
+        (A lease holder's request that quarantine leaves to its own leases or
+        ``forget()`` alone is refused when the quarantine grows: ``_quarantine``.)
         """
         self._settle()
         if self._overdrawn:
             self._repay()
         self._fair_at = math.inf
-        if self._holding_waiters and self.quarantined:
-            self._refuse_self_waits()
         if not self.queue:
             return
         spaces = self.spaces
