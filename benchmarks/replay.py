@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from cachebroker._sizes import format_bytes
+from cachebroker._units import format_bytes
 from cachebroker.simulator import BUDGETS, POLICIES, builtin_workload, offline_bound, replay
 
 

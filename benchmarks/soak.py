@@ -708,7 +708,7 @@ def main() -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     backend, options = BACKENDS[args.backend]
     if args.evidence:
-        args.budget = cachebroker._sizes.parse_bytes(args.budget, what="budget")
+        args.budget = cachebroker.parse_bytes(args.budget, what="budget")
         return run_evidence(args, backend, options)
     result = anyio.run(Soak(args).run, False, backend=backend, backend_options=options)
     tracemalloc.start()

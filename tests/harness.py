@@ -10,7 +10,7 @@ from collections.abc import Hashable, Mapping
 from typing import Any
 
 from cachebroker._core import Core, Effect, Entry, Reason, Ticket
-from cachebroker._policy import LRU, Policy
+from cachebroker._policies import LRU, Policy
 
 
 class Harness:

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from cachebroker import DeadlockError, RequestTooLarge
 from cachebroker._core import Entry, Reason, Ticket
-from cachebroker._policy import LRU
+from cachebroker._policies import LRU
 from tests.harness import Harness
 from tests.strategies import KEYS, SPACES, TASKS, charges
 

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from cachebroker import FIFO, GDSF, LRU, CostAware, Policy, PolicyBase
 from cachebroker._core import Entry, Reason, Ticket
-from cachebroker._policy import make_policy
+from cachebroker._policies import make_policy
 from tests.harness import Harness
 
 BUDGET = 100

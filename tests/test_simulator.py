@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachebroker.__main__ import main
-from cachebroker._simulate_cli import _print_table
 from cachebroker.simulator import (
     BUDGETS,
     POLICIES,
@@ -29,6 +28,7 @@ from cachebroker.simulator import (
     resolve_budgets,
     simulate,
 )
+from cachebroker.simulator._cli import _print_table
 
 GiB = 2**30
 
@@ -378,7 +378,7 @@ def test_cli_table_and_plot(
 def test_cli_plot_is_titled_by_the_workload(
     trace_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cachebroker._simulate_cli as cli
+    import cachebroker.simulator._cli as cli
 
     titles: list[str] = []
     monkeypatch.setattr(cli, "plot", lambda comparisons, path, *, title: titles.append(title))
@@ -484,7 +484,7 @@ def test_rich_table_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cli_without_the_sim_extra(
     trace_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import cachebroker._simulate_cli as cli
+    import cachebroker.simulator._cli as cli
 
     monkeypatch.setattr(cli, "_has", lambda module: False)
     assert main(["simulate", "--trace", str(trace_file), "--budget", "20"]) == 0

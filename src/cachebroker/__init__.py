@@ -24,16 +24,16 @@ from ._errors import OutOfSpace as OutOfSpace
 from ._errors import ReleaseFailed as ReleaseFailed
 from ._errors import RequestTooLarge as RequestTooLarge
 from ._errors import WrongEventLoop as WrongEventLoop
-from ._policy import FIFO as FIFO
-from ._policy import GDSF as GDSF
-from ._policy import LRU as LRU
-from ._policy import CostAware as CostAware
-from ._policy import Policy as Policy
-from ._policy import PolicyBase as PolicyBase
-from ._sizes import format_bytes as format_bytes
+from ._policies import FIFO as FIFO
+from ._policies import GDSF as GDSF
+from ._policies import LRU as LRU
+from ._policies import CostAware as CostAware
+from ._policies import Policy as Policy
+from ._policies import PolicyBase as PolicyBase
 from ._sizes import parse_bytes as parse_bytes
 from ._stats import EvictionReport as EvictionReport
 from ._stats import Stats as Stats
+from ._units import format_bytes as format_bytes
 
 try:
     from ._version import __version__ as __version__

@@ -57,7 +57,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from . import _events as ev
+from . import _log_events as ev
 from . import _logging
 from ._core import Core, Effect, Entry, Owner, Reason, State, Ticket
 from ._errors import (
@@ -74,9 +74,10 @@ from ._errors import (
     ReleaseFailed,
     WrongEventLoop,
 )
-from ._policy import Policy, make_policy
-from ._sizes import format_bytes, parse_budget, parse_bytes, parse_size
+from ._policies import Policy, make_policy
+from ._sizes import parse_budget, parse_bytes, parse_size
 from ._stats import EvictionReport, Stats
+from ._units import DEFAULT_SPACE, format_bytes
 from .probes import Probe
 
 __all__ = ["Broker", "Cache", "Lease", "Releaser"]
@@ -2137,7 +2138,6 @@ def _own_copy(error: BaseException) -> BaseException:
 
 def _split_probes(budget: Any) -> tuple[Any, dict[str, Probe]]:
     """Separate probed spaces from fixed ones; probed ones start at their first reading."""
-    from ._sizes import DEFAULT_SPACE
 
     if isinstance(budget, Probe):
         budget = {DEFAULT_SPACE: budget}

@@ -42,8 +42,8 @@ from ._errors import (
     ReleaseFailed,
     RequestTooLarge,
 )
-from ._policy import Policy, PolicyBase
-from ._sizes import format_bytes
+from ._policies import Policy, PolicyBase
+from ._units import format_bytes
 
 __all__ = ["Core", "Effect", "Entry", "Owner", "Reason", "Space", "State", "Ticket"]
 

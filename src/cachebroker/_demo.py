@@ -8,6 +8,7 @@ peak of memory the plugins really held.
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from collections.abc import Callable, MutableMapping
@@ -18,7 +19,8 @@ import structlog
 
 from ._broker import Broker, Cache
 from ._errors import BrokerError
-from ._sizes import format_bytes, parse_bytes
+from ._sizes import parse_bytes
+from ._units import format_bytes
 
 MiB = 2**20
 
@@ -154,3 +156,33 @@ async def run_demo(
         file=out,
     )
     return peak
+
+
+def add_parser(commands: Any, name: str, help: str) -> None:
+    """Add the ``demo`` command to ``commands`` (argparse sub-parsers)."""
+    parser = commands.add_parser(name, help=help)
+    parser.add_argument("--budget", default="96MiB", help="RAM budget (default: 96MiB)")
+    parser.add_argument("--sessions", type=int, default=24, help="number of sessions (default: 24)")
+    parser.add_argument("--seed", type=int, default=7, help="random seed for the session order")
+    parser.add_argument(
+        "--backend", choices=["asyncio", "trio"], default="asyncio", help="event loop to run on"
+    )
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run ``cachebroker demo`` with parsed ``args``; return the exit status."""
+    if args.sessions < 1:
+        parser.error("--sessions must be at least 1")
+    try:
+        parse_bytes(args.budget, what="--budget")
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    try:
+        anyio.run(
+            lambda: run_demo(budget=args.budget, sessions=args.sessions, seed=args.seed),
+            backend=args.backend,
+        )
+    except BrokerError as exc:
+        print(f"cachebroker demo: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any, TypeVar
 
+from ._units import format_bytes
+
 __all__ = [
     "BrokerClosed",
     "BrokerError",
@@ -55,8 +57,6 @@ class RequestTooLarge(OutOfSpace, InvalidArgument):
     """A size exceeds the whole budget of a space: no eviction could ever fit it."""
 
     def __init__(self, space: str, size: int, budget: int, *, entry: str | None = None) -> None:
-        from ._sizes import format_bytes
-
         about = f"{entry} needs " if entry else "size "
         super().__init__(
             f"{about}{format_bytes(size)} in space {space!r}, which exceeds the space's "

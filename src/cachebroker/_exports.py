@@ -15,13 +15,14 @@ from collections.abc import Iterable, Mapping
 def claim(module: str, namespace: Mapping[str, object], names: Iterable[str]) -> None:
     """Set ``__module__`` to ``module`` on the classes and functions ``names`` of ``namespace``.
 
-    Only those defined in a private module (``cachebroker._x``) are changed.
+    Only those defined in a private module (``cachebroker._x``,
+    ``cachebroker.simulator._y``) are changed.
     """
     for name in names:
         obj = namespace[name]
         if not (inspect.isclass(obj) or inspect.isfunction(obj)):
             continue
-        if obj.__module__.startswith("cachebroker._"):
+        if any(part.startswith("_") for part in obj.__module__.split(".")):
             if inspect.isclass(obj):
                 _resolve_annotations(obj)
             obj.__module__ = module

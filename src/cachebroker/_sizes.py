@@ -1,4 +1,4 @@
-"""Parsing of byte quantities ("24GiB"), budgets and per-entry size specs.
+"""Reading byte quantities ("24GiB"), budgets and per-entry size specs from user input.
 
 Everything user-supplied about bytes goes through here, so every malformed
 value fails the same way: an ``InvalidArgument`` (a ``ValueError``) or a
@@ -9,33 +9,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 from collections.abc import Mapping
 from fractions import Fraction
 
 from ._errors import InvalidArgument
+from ._units import DEFAULT_SPACE, QUANTITY, UNITS
 
-__all__ = ["DEFAULT_SPACE", "format_bytes", "parse_budget", "parse_bytes", "parse_size"]
-
-DEFAULT_SPACE = "default"
-
-_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_QUANTITY = re.compile(r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)\s*$")
+__all__ = ["parse_budget", "parse_bytes", "parse_size"]
 
 
 def parse_bytes(value: object, *, what: str = "size") -> int:
@@ -60,15 +40,15 @@ def parse_bytes(value: object, *, what: str = "size") -> int:
             )
         return int(number)
     if isinstance(value, str):
-        match = _QUANTITY.match(value)
+        match = QUANTITY.match(value)
         unit = match.group("unit").lower() if match else ""
-        if match is None or unit not in _UNITS:
+        if match is None or unit not in UNITS:
             raise InvalidArgument(
                 f"{what} {value!r} is not a byte quantity; expected a number with an "
                 "optional unit such as '512MiB', '24GiB' or '1.5GB'"
             )
         # Exact for any number of digits (a float would overflow or round).
-        return round(Fraction(match.group("num")) * _UNITS[unit])
+        return round(Fraction(match.group("num")) * UNITS[unit])
     raise TypeError(
         f"{what} must be an int or a string like '24GiB', got {type(value).__name__} {value!r}"
     )
@@ -133,13 +113,3 @@ def _check_known(name: str, spaces: Mapping[str, int]) -> None:
 def _check_space_name(name: object, *, what: str = "budget") -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"{what} space names must be non-empty strings, got {name!r}")
-
-
-def format_bytes(amount: int) -> str:
-    """Format a byte count with the largest binary unit that keeps it readable."""
-    value = float(amount)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{amount} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"

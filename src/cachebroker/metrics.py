@@ -33,7 +33,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
-from . import _events as ev
+from . import _log_events as ev
 from ._broker import Broker, _running_backend
 from ._errors import BrokerClosed
 from ._stats import Stats

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ._errors import InvalidArgument
-from ._sizes import format_bytes, parse_bytes
+from ._sizes import parse_bytes
+from ._units import format_bytes
 
 __all__ = ["NvidiaGPU", "Probe", "SystemMemory"]
 

@@ -16,39 +16,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from ._core import Core, Effect, Entry, Owner, Reason, State, Ticket
-from ._errors import InvalidArgument
-from ._policy import Policy, make_policy
+from .._core import Core, Effect, Entry, Owner, Reason, State, Ticket
+from .._errors import InvalidArgument
+from .._policies import Policy, make_policy
+from ._request import Request, check_fits, where
 
 __all__ = ["ReplayResult", "Request", "replay"]
-
-
-@attrs.frozen(kw_only=True)
-class Request:
-    """One request of a trace.
-
-    Attributes:
-        time: When it arrives, in seconds (requests are replayed in this order).
-        key: What it asks for; keys are per ``cache``.
-        size: Bytes per space, e.g. ``{"default": 4 * 2**30}``.
-        load_seconds: What a miss costs: the time to load the value.
-        hold_seconds: How long the lease is held once granted.
-        cache: The owner (plugin) of the key.
-        line: Where the request came from (a trace's line number), for messages.
-    """
-
-    time: float
-    key: str
-    size: Mapping[str, int]
-    load_seconds: float
-    hold_seconds: float = 0.0
-    cache: str = "default"
-    line: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -104,22 +82,6 @@ class ReplayResult:
             return 0.0
         ordered = sorted(self.wait_seconds)
         return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
-
-
-def check_fits(requests: Iterable[Request], budget: Mapping[str, int]) -> None:
-    """Raise ``InvalidArgument`` for the first request no budget could ever hold."""
-    for request in requests:
-        for space, amount in request.size.items():
-            if space not in budget:
-                raise InvalidArgument(
-                    f"{_where(request)}requests space {space!r}, which the budget does not "
-                    f"have (it has {sorted(budget)})"
-                )
-            if amount > budget[space]:
-                raise InvalidArgument(
-                    f"{_where(request)}{request.cache}:{request.key} needs {amount} bytes of "
-                    f"{space!r}, more than its whole budget of {budget[space]} bytes"
-                )
 
 
 def replay(
@@ -198,7 +160,7 @@ def replay(
     for number, request in enumerate(requests):
         if request.time < now:
             raise InvalidArgument(
-                f"{_where(request)}requests must be in time order, but {request.time:g} "
+                f"{where(request)}requests must be in time order, but {request.time:g} "
                 f"comes after {now:g}"
             )
         if pending and pending[0][0] <= request.time:
@@ -246,10 +208,6 @@ def replay(
         evictions=core.evictions[Reason.CAPACITY] + core.evictions[Reason.IDLE],
         wait_seconds=tuple(waits),
     )
-
-
-def _where(request: Request) -> str:
-    return f"line {request.line}: " if request.line else ""
 
 
 class _Pending:

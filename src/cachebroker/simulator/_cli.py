@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
-from ._errors import InvalidArgument
-from ._sizes import format_bytes, parse_bytes
-from .simulator import (
+from .._errors import InvalidArgument
+from .._sizes import parse_bytes
+from .._units import format_bytes
+from . import (
     BUDGETS,
     POLICIES,
     Comparison,
@@ -41,13 +42,9 @@ optional hold_seconds (how long the lease is held, default 0), space (default
 'default'), cache (the owner, default 'default')."""
 
 
-def add_parser(commands: Any) -> None:
+def add_parser(commands: Any, name: str, help: str) -> None:
     """Add the ``simulate`` command to ``commands`` (argparse sub-parsers)."""
-    parser = commands.add_parser(
-        "simulate",
-        help="replay a workload under each policy and budget, beside the offline optimum",
-        description=DESCRIPTION,
-    )
+    parser = commands.add_parser(name, help=help, description=DESCRIPTION)
     parser.add_argument("--trace", metavar="FILE", help=TRACE_HELP)
     parser.add_argument(
         "--budget",

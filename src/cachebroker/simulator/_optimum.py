@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ._replay import Request, check_fits
+from ._request import Request, check_fits
 
 __all__ = ["Bound", "offline_bound"]
 

@@ -25,10 +25,10 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import closing
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ._errors import InvalidArgument
+from .._errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from ._core import Entry
+    from .._core import Entry
 
 __all__ = ["FIFO", "GDSF", "LRU", "CostAware", "Policy", "PolicyBase", "make_policy"]
 

@@ -13,9 +13,10 @@ import os
 from collections.abc import Iterable
 from typing import TextIO
 
-from ._errors import InvalidArgument
-from ._replay import Request
-from ._sizes import DEFAULT_SPACE, parse_bytes
+from .._errors import InvalidArgument
+from .._sizes import parse_bytes
+from .._units import DEFAULT_SPACE
+from ._request import Request
 
 __all__ = ["COLUMNS", "TraceError", "parse_trace", "read_trace"]
 

@@ -25,9 +25,9 @@ import csv
 import random
 from importlib import resources
 
-from ._errors import InvalidArgument
-from ._replay import Request
-from ._sizes import DEFAULT_SPACE
+from .._errors import InvalidArgument
+from .._units import DEFAULT_SPACE
+from ._request import Request
 
 __all__ = ["BUDGETS", "CATALOGUE", "builtin_workload"]
 
@@ -93,7 +93,7 @@ def builtin_workload(
     models = list(CATALOGUE)
     rng.shuffle(models)
     weights = [1 / rank for rank in range(1, len(models) + 1)]
-    source = resources.files("cachebroker").joinpath("data/azure_llm_2023_code.csv")
+    source = resources.files("cachebroker.simulator").joinpath("data/azure_llm_2023_code.csv")
     picked: list[Request] = []
     for row in csv.DictReader(source.read_text(encoding="utf-8").splitlines()):
         if len(picked) >= requests:

@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from . import _exports
-from ._bound import Bound, offline_bound
-from ._errors import InvalidArgument
-from ._policy import make_policy
-from ._replay import ReplayResult, Request, replay
-from ._sizes import DEFAULT_SPACE, format_bytes, parse_budget
-from ._trace import COLUMNS, TraceError, parse_trace, read_trace
+from .. import _exports
+from .._errors import InvalidArgument
+from .._policies import make_policy
+from .._sizes import parse_budget
+from .._units import DEFAULT_SPACE, format_bytes
+from ._csv import COLUMNS, TraceError, parse_trace, read_trace
+from ._optimum import Bound, offline_bound
+from ._replay import ReplayResult, replay
+from ._request import Request
 from ._workload import BUDGETS, CATALOGUE, builtin_workload
 
 if TYPE_CHECKING:
