@@ -1064,7 +1064,8 @@ class Core:
         victims: list[Entry] = []
         for spaces in (own, others):
             if spaces and not victims:
-                victims = [v for v in self.policy.victims(dict.fromkeys(spaces, 1)) if v.idle]
+                chosen = self.policy.victims(dict.fromkeys(spaces, 1))
+                victims = [v for v in chosen if isinstance(v, Entry) and v.idle]
         if not victims and self._unsized:
             victims = [next(iter(self._unsized))]
         for victim in victims:
@@ -1488,11 +1489,18 @@ class Core:
         coverable = all(spaces[name].idle_bytes >= short for name, short in shortfall.items())
         if not coverable and not partial:
             return False
-        victims = self.policy.victims(shortfall)
+        victims: list[Entry] = []
         freed = dict.fromkeys(shortfall, 0)
-        for victim in victims:
-            if victim.leases or victim.state is not State.READY or not victim.idle_seq:
+        for victim in self.policy.victims(shortfall):
+            # A policy sees entries as PolicyEntry; only one of ours may come back.
+            if (
+                not isinstance(victim, Entry)
+                or victim.leases
+                or victim.state is not State.READY
+                or not victim.idle_seq
+            ):
                 raise RuntimeError(f"policy chose {victim!r}, which is not an idle entry")
+            victims.append(victim)
             for name, amount in victim.charge.items():
                 if name in freed:
                     freed[name] += amount
