@@ -8,15 +8,15 @@ predicts the victims from the state before the step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cachebroker import FIFO, GDSF, LRU, CostAware, Policy, PolicyBase
-from cachebroker._core import Entry, Reason, Ticket
+from cachebroker import FIFO, GDSF, LRU, CostAware, Policy, PolicyBase, PolicyEntry
+from cachebroker._core import Reason, Ticket
 from cachebroker._policies import make_policy
 from tests.harness import Harness
 
@@ -244,15 +244,15 @@ def test_gdsf_with_equal_costs_and_sizes_is_lfu_with_aging(requests: list[str]) 
 def test_user_policy_built_on_policy_base() -> None:
     class NewestFirst(PolicyBase):
         def __init__(self) -> None:
-            self.idle_entries: list[Entry] = []
+            self.idle_entries: list[PolicyEntry] = []
 
-        def idle(self, entry: Entry) -> None:
+        def idle(self, entry: PolicyEntry) -> None:
             self.idle_entries.append(entry)
 
-        def busy(self, entry: Entry) -> None:
+        def busy(self, entry: PolicyEntry) -> None:
             self.idle_entries.remove(entry)
 
-        def victims(self, shortfall: dict[str, int]) -> list[Entry]:  # type: ignore[override]
+        def victims(self, shortfall: Mapping[str, int]) -> list[PolicyEntry]:
             return self.idle_entries[-1:]
 
     policy = NewestFirst()

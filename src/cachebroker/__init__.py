@@ -30,6 +30,7 @@ from ._policies import LRU as LRU
 from ._policies import CostAware as CostAware
 from ._policies import Policy as Policy
 from ._policies import PolicyBase as PolicyBase
+from ._policies import PolicyEntry as PolicyEntry
 from ._sizes import parse_bytes as parse_bytes
 from ._stats import EvictionReport as EvictionReport
 from ._stats import Stats as Stats
@@ -46,6 +47,7 @@ __all__ = (
     "LRU",
     "CostAware",
     "PolicyBase",
+    "PolicyEntry",
     "AcquireTimeout",
     "Broker",
     "BrokerClosed",
