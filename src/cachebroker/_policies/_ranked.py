@@ -188,9 +188,11 @@ class CostAware(_Ranked):
     To cover a shortfall, the ``candidates`` lowest-ranked idle entries are
     gathered (more if they cannot cover it), and the victim *set* is chosen
     among them to cover the shortfall at the least total expected reload cost:
-    the better of a greedy cover by rank, pruned of entries it does not need,
-    and the best cover that pairs one large entry with a greedy cover of the
-    rest. With mixed sizes, which set to evict matters more than the order.
+    the better of a greedy cover by expected reload cost per share of the
+    shortfall covered (not by rank), pruned of entries it does not need, and
+    the best cover that pairs one large entry (one of the 8 covering the
+    largest share) with a greedy cover of the rest. With mixed sizes, which
+    set to evict matters more than the order.
     """
 
     def __init__(self, *, half_life: float = 4.0, candidates: int = 24) -> None:
