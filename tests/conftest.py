@@ -12,11 +12,28 @@ import structlog
 import structlog.testing
 from hypothesis import HealthCheck, settings
 
+# Hypothesis profiles, chosen with HYPOTHESIS_PROFILE (tests/test_hypothesis_profiles.py).
+# "ci", the default, is deterministic: each test draws its examples from a seed
+# derived from the test itself, so every run covers the same cases and a
+# change of coverage is a change of code, never of luck. It reads and writes
+# no example database (.hypothesis/): what a run finds does not steer the next.
+# "nightly" explores: random, many more examples, failures saved to the
+# database and printed as a @reproduce_failure blob. "dev" is a quick random run.
 settings.register_profile(
-    "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "ci",
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile(
-    "nightly", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "nightly",
+    max_examples=1000,
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
