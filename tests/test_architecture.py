@@ -17,7 +17,6 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-import grimp
 import pytest
 
 import cachebroker
@@ -73,15 +72,6 @@ def test_import_contracts_hold() -> None:
     if result.returncode != 0:
         pytest.fail(f"import-linter contracts broken:\n{report}", pytrace=False)
     assert f"Contracts: {len(contracts())} kept, 0 broken." in report, report
-
-
-def test_policies_import_the_core_for_type_checking_only() -> None:
-    """The one import the ``policies-below-core`` contract ignores is a TYPE_CHECKING one."""
-    graph = grimp.build_graph("cachebroker", exclude_type_checking_imports=True, cache_dir=None)
-    chains = graph.find_shortest_chains(
-        importer="cachebroker._policies", imported="cachebroker._core", as_packages=True
-    )
-    assert not chains, f"cachebroker._policies imports the core at run time: {sorted(chains)}"
 
 
 def test_every_module_of_the_runtime_is_bound_not_to_import_the_simulator() -> None:

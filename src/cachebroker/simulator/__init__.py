@@ -25,9 +25,10 @@ import attrs
 
 from .. import _exports
 from .._errors import InvalidArgument
-from .._policies import make_policy
-from .._sizes import parse_budget
-from .._units import DEFAULT_SPACE, format_bytes
+from .._policies import make_policy as _make_policy
+from .._sizes import parse_budget as _parse_budget
+from .._units import DEFAULT_SPACE as _DEFAULT_SPACE
+from .._units import format_bytes
 from ._csv import COLUMNS, TraceError, parse_trace, read_trace
 from ._optimum import Bound, offline_bound
 from ._replay import ReplayResult, replay
@@ -79,10 +80,10 @@ class Comparison:
     @property
     def label(self) -> str:
         """The budget for people: ``"48GiB"``, or ``"ram=16GiB,cuda:0=24GiB"``."""
-        return budget_label(self.budget)
+        return _budget_label(self.budget)
 
 
-def budget_label(budget: Mapping[str, int]) -> str:
+def _budget_label(budget: Mapping[str, int]) -> str:
     """``"48GiB"`` for a budget of one space, ``"ram=16GiB,cuda:0=24GiB"`` for several."""
     if len(budget) == 1:
         return format_bytes(next(iter(budget.values())))
@@ -100,22 +101,22 @@ def resolve_budgets(
     Raises:
         InvalidArgument: a budget is malformed, or does not name every space the trace uses.
     """
-    spaces = sorted({space for request in requests for space in request.size}) or [DEFAULT_SPACE]
+    spaces = sorted({space for request in requests for space in request.size}) or [_DEFAULT_SPACE]
     resolved: list[dict[str, int]] = []
     for budget in budgets:
         if isinstance(budget, Mapping):
-            parsed = parse_budget(budget)
+            parsed = _parse_budget(budget)
         else:
             if len(spaces) > 1:
                 raise InvalidArgument(
                     f"the trace uses the spaces {', '.join(spaces)}: give each a budget, "
                     f"e.g. {','.join(f'{space}=24GiB' for space in spaces)}"
                 )
-            parsed = {spaces[0]: parse_budget(budget)[DEFAULT_SPACE]}
+            parsed = {spaces[0]: _parse_budget(budget)[_DEFAULT_SPACE]}
         missing = [space for space in spaces if space not in parsed]
         if missing:
             raise InvalidArgument(
-                f"budget {budget_label(parsed)} has no amount for the space(s) "
+                f"budget {_budget_label(parsed)} has no amount for the space(s) "
                 f"{', '.join(missing)} that the trace uses"
             )
         resolved.append(parsed)
@@ -163,12 +164,12 @@ def simulate(
         results = []
         for name in names:
             if progress is not None:
-                progress(f"{name} at {budget_label(budget)}")
+                progress(f"{name} at {_budget_label(budget)}")
             results.append(replay(requests, budget, name, idle_ttl=idle_ttl))
         optimum = None
         if bound:
             if progress is not None:
-                progress(f"optimum at {budget_label(budget)}")
+                progress(f"optimum at {_budget_label(budget)}")
             optimum = offline_bound(requests, budget, time_limit=bound_time_limit)
         comparisons.append(Comparison(budget=budget, results=tuple(results), bound=optimum))
     return comparisons
@@ -178,7 +179,7 @@ def _policy_name(policy: str) -> str:
     if not isinstance(policy, str):
         raise TypeError(f"policies are named by strings such as 'lru', got {policy!r}")
     name = policy.strip().lower()
-    make_policy(name)  # raises for an unknown name, listing the built-in ones
+    _make_policy(name)  # raises for an unknown name, listing the built-in ones
     return name
 
 
