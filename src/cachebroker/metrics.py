@@ -34,8 +34,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from . import _log_events as ev
-from ._broker import Broker, _running_backend
 from ._errors import BrokerClosed
+from ._shell import Broker
+from ._shell._backend import call_soon_threadsafe, running_backend
+from ._shell._broker import check_running
 from ._stats import Stats
 
 __all__ = ["LOAD_BUCKETS", "RELEASE_BUCKETS", "BrokerMetrics", "instrument"]
@@ -105,7 +107,7 @@ class BrokerMetrics(Collector):
     ) -> None:
         if not isinstance(broker, Broker):
             raise TypeError(f"broker must be a cachebroker.Broker, got {broker!r}")
-        broker._check_running()
+        check_running(broker)
         if not namespace.replace("_", "").isalnum():
             raise ValueError(f"namespace must be letters, digits and '_', got {namespace!r}")
         self._broker = broker
@@ -228,19 +230,12 @@ def instrument(
 def _loop_caller() -> Callable[[Callable[[], None]], None]:
     """A thread-safe "run this soon on the current event loop"."""
     try:
-        backend = _running_backend()
+        backend = running_backend()
     except Exception as exc:
         raise BrokerClosed("create BrokerMetrics on the broker's event loop") from exc
-    if backend == "trio":
-        import trio
+    call_soon = call_soon_threadsafe(backend)
 
-        token = trio.lowlevel.current_trio_token()
-        return token.run_sync_soon
-    import asyncio
+    def call(func: Callable[[], None]) -> None:
+        call_soon(func)
 
-    loop = asyncio.get_running_loop()
-
-    def call_soon(func: Callable[[], None]) -> None:
-        loop.call_soon_threadsafe(func)
-
-    return call_soon
+    return call
