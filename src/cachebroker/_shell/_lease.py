@@ -6,6 +6,8 @@ one step on the books. Both talk to the cache's ``Actor``.
 
 from __future__ import annotations
 
+import contextlib
+import types
 from collections.abc import Awaitable, Callable, Generator, Hashable
 from threading import get_ident
 from types import TracebackType
@@ -27,6 +29,28 @@ T_co = TypeVar("T_co", covariant=True)
 _READY = State.READY
 
 
+_AENTER_DOC = """Acquire the lease (as ``await``), for ``async with cache.acquire(...) as lease``.
+
+Cancellation: as for ``await``; the block is not entered.
+"""
+
+
+def _coroutine_twin(func: Callable[..., Any], name: str, doc: str) -> Callable[..., Any]:
+    """A copy of the generator function ``func`` whose generators are awaitable themselves.
+
+    ``__aenter__`` is ``__await__``'s twin: ``async with`` awaits the
+    generator it returns as it is, so the block costs no ``__aenter__``
+    frame nor ``__await__`` lookup (``__await__`` itself must return a plain
+    iterator).
+    """
+    twin = types.FunctionType(
+        func.__code__, func.__globals__, name, func.__defaults__, func.__closure__
+    )
+    twin.__qualname__ = func.__qualname__.rpartition(".")[0] + "." + name
+    twin.__doc__ = doc
+    return types.coroutine(twin)
+
+
 class Lease(Generic[T_co]):
     """A hold on a loaded value: while any lease is held the value is never asked to release.
 
@@ -45,24 +69,18 @@ class Lease(Generic[T_co]):
     # their defaults are read from the class (``_Tuned`` carries them).
     _cost: float | None = None
     _measure: Callable[[Any], Any] | None = None
-    _options: tuple[float | None, bool] | None = None
 
-    def __init__(
-        self,
-        cache: Cache,
-        key: Hashable,
-        load: Callable[[], Any],
-        size: SizeSpec,
-        timeout: float | None,
-    ) -> None:
-        self._cache = cache
-        self.key = key
-        self._load = load
-        self._size = size
-        self._timeout = timeout
-        self._entry: Entry | None = None
+    # No __init__: ``Cache.acquire`` fills the fields in (``Lease()`` costs less than a call
+    # to __init__, and the hit path builds one lease per call).
+    if TYPE_CHECKING:
+        _cache: Cache
+        key: Hashable
+        _load: Callable[[], Any]
+        _size: SizeSpec
+        _timeout: float | None
+        _entry: Entry | None
         #: The holder task once granted; else _PENDING, _ACQUIRING or _RELEASED.
-        self._task: object = _PENDING
+        _task: object
 
     def __await__(self) -> Generator[Any, Any, Lease[T_co]]:
         """Acquire: ``lease = await cache.acquire(...)`` (see ``Cache.acquire``).
@@ -91,7 +109,8 @@ class Lease(Generic[T_co]):
             except TypeError:
                 entry = None  # _acquire_slow raises InvalidKey
             if entry is not None and entry.state is _READY and not cache._owner.closing:
-                task = actor.current_task()
+                current_task = actor.current_task  # (an attribute: a method lookup costs more)
+                task = current_task()
                 actor.core.hit(entry, task)
                 if actor.trace:
                     actor.log.debug(ev.HIT, cache=cache.name, key=self.key)
@@ -105,18 +124,16 @@ class Lease(Generic[T_co]):
             raise
         self._entry = entry
         self._task = task
-        if self._options is not None:
-            idle_ttl, pin = self._options
-            actor.core.configure(entry, idle_ttl=idle_ttl, pin=pin or None)
         return self
 
-    def __aenter__(self) -> Awaitable[Lease[T_co]]:
-        """Acquire the lease (as ``await``), for ``async with cache.acquire(...) as lease``.
+    if TYPE_CHECKING:
 
-        Cancellation: as for ``await``; the block is not entered.
-        """
-        # Plain methods returning awaitables: ``async with`` costs no coroutines.
-        return self
+        def __aenter__(self) -> Awaitable[Lease[T_co]]:
+            """Acquire the lease (as ``await``), for ``async with cache.acquire(...) as lease``."""
+            ...
+
+    else:
+        __aenter__ = _coroutine_twin(__await__, "__aenter__", _AENTER_DOC)
 
     def __aexit__(
         self,
@@ -125,7 +142,25 @@ class Lease(Generic[T_co]):
         tb: TracebackType | None,
     ) -> Awaitable[None]:
         """End the lease (``release()``); never a cancellation point, never raises."""
-        return self.release()
+        # release(), written out: one call less for every ``async with``.
+        entry = self._entry
+        if entry is None:
+            return _DONE
+        self._entry = None
+        task = self._task
+        self._task = _RELEASED
+        actor = self._cache._actor
+        if get_ident() != actor.thread:
+            actor.end_lease_soon(entry, task)
+            return _DONE
+        core = actor.core
+        timed = entry.ttl is not None or actor.idle_ttl is not None
+        core.lease_end(entry, task, actor.clock() if timed else 0.0)
+        if core.effects:
+            actor.apply()
+        if timed and not entry.leases:
+            actor.note_idle(entry)
+        return _DONE
 
     @property
     def value(self) -> T_co:
@@ -202,6 +237,39 @@ class _Tuned(Lease[T_co]):
 
     __slots__ = ("_cost", "_measure", "_options")
 
+    def __init__(
+        self,
+        cache: Cache,
+        key: Hashable,
+        load: Callable[[], Any],
+        size: SizeSpec,
+        timeout: float | None,
+        cost: float | None,
+        measure: Callable[[Any], Any] | None,
+        options: tuple[float | None, bool] | None,
+    ) -> None:
+        self._cache = cache
+        self.key = key
+        self._load = load
+        self._size = size
+        self._timeout = timeout
+        self._entry = None
+        self._task = _PENDING
+        self._cost = cost
+        self._measure = measure
+        #: ``(idle_ttl, pin)`` for the entry once acquired, if either was given.
+        self._options = options
+
+    def __await__(self) -> Generator[Any, Any, Lease[T_co]]:
+        lease = yield from super().__await__()
+        if self._options is not None and self._entry is not None:
+            idle_ttl, pin = self._options
+            self._cache._actor.core.configure(self._entry, idle_ttl=idle_ttl, pin=pin or None)
+        return lease
+
+    if not TYPE_CHECKING:
+        __aenter__ = _coroutine_twin(__await__, "__aenter__", _AENTER_DOC)
+
 
 class _Marker:
     __slots__ = ("_name",)
@@ -221,15 +289,24 @@ _RELEASED = _Marker("<released>")
 # ---------------------------------------------------------------------- helpers
 
 
-class _Done(tuple):  # type: ignore[type-arg]
+@types.coroutine
+def _complete() -> Generator[Any, Any, None]:
+    return
+    yield  # a generator: ``types.coroutine`` makes it awaitable
+
+
+def _completed() -> Awaitable[None]:
     """An awaitable that is already complete (what ``Lease.release`` returns).
 
-    Awaiting it iterates an empty tuple: the ``await`` finishes at once, and
-    the iterator comes from C, without a Python-level ``__await__`` call.
+    A finished generator-based coroutine: ``await`` takes it as it is (no
+    ``__await__`` call, no iterator built) and resumes it, which for a
+    finished generator returns ``None`` at once, in C. It can be awaited any
+    number of times, from any thread, since nothing in it changes.
     """
+    done = _complete()
+    with contextlib.suppress(StopIteration):
+        done.send(None)
+    return cast(Awaitable[None], done)
 
-    __slots__ = ()
-    __await__ = tuple.__iter__
 
-
-_DONE = cast(Awaitable[None], _Done())
+_DONE = _completed()

@@ -149,6 +149,47 @@ class Runner:
     below. The private ones are the interpreter's own.
     """
 
+    # Slots: the hit path reads ``core``, ``thread``, ``checkpoint``, ``current_task``,
+    # ``trace`` and ``idle_ttl`` on every call.
+    __slots__ = (
+        "_alias_threshold",
+        "_blocking_warning",
+        "_caches",
+        "_call_soon",
+        "_debug_check",
+        "_drop_ids",
+        "_dropped",
+        "_held_reported",
+        "_lease_warning",
+        "_logger",
+        "_memory_wait",
+        "_oom_errors",
+        "_oom_retries",
+        "_probe_interval",
+        "_probe_ok",
+        "_probes",
+        "_releasing_tasks",
+        "_sweep_at",
+        "_sweep_wake",
+        "_tg",
+        "_user_clock",
+        "budget",
+        "checkpoint",
+        "clock",
+        "core",
+        "current_task",
+        "held",
+        "idle_ttl",
+        "listeners",
+        "log",
+        "release_timeout",
+        "release_timeouts",
+        "releases_blocking",
+        "running",
+        "thread",
+        "trace",
+    )
+
     def __init__(
         self,
         core: Core,
