@@ -8,6 +8,7 @@ awaitable; the hit path builds leases without ``__init__``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 from typing import Any
@@ -122,4 +123,19 @@ async def test_unawaited_hit_lease_holds_nothing_and_warns_nothing() -> None:
         await lease.release()
         del lease
         gc.collect()
+        assert broker.stats_nowait().leased == 0
+
+
+async def test_leases_entered_through_an_async_exit_stack() -> None:
+    """``AsyncExitStack`` calls ``__aenter__`` and awaits its result, as ``async with`` does."""
+    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+        async with contextlib.AsyncExitStack() as stack:
+            # (Any: to type checkers a Lease is no AbstractAsyncContextManager, whose
+            # __aexit__ is a coroutine function.)
+            enter: Any = stack.enter_async_context
+            plain = await enter(cache.acquire("a", load=loader("v"), size=10))
+            tuned = await enter(cache.acquire("b", load=loader("w"), size=10, pin=True))
+            assert (plain.value, tuned.value) == ("v", "w")
+            assert broker.stats_nowait().leased == 2
+        assert plain.released and tuned.released
         assert broker.stats_nowait().leased == 0
