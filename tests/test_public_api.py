@@ -15,9 +15,6 @@ For each public module (``cachebroker`` and its public submodules):
   module defines itself, or imports from a private module of cachebroker
   without it being public anywhere, must be in ``__all__`` or start with an
   underscore. ``TypeVar``s are exempt.
-
-Known gaps are listed below, each a strict xfail: fixing one makes its test
-pass and the xfail fail, so the list shrinks as they are fixed.
 """
 
 from __future__ import annotations
@@ -48,19 +45,6 @@ PUBLIC_MODULES = (
 )
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-#: Exported names neither docs/api.md nor docs/reference.md mention.
-UNDOCUMENTED: dict[str, str] = {}
-#: Public-looking names that are not in ``__all__`` (see the rule above).
-UNLISTED = {
-    "cachebroker.metrics.SCRAPE_TIMEOUT": "rename to _SCRAPE_TIMEOUT",
-}
-
-
-def split(where: str) -> tuple[str, str]:
-    """``"cachebroker.simulator.Request"`` -> ``("cachebroker.simulator", "Request")``."""
-    module_name, _, name = where.rpartition(".")
-    return module_name, name
-
 
 def module(name: str) -> types.ModuleType:
     return importlib.import_module(name)
@@ -72,14 +56,9 @@ def exports() -> Iterator[tuple[str, str]]:
             yield module_name, name
 
 
-def params(known: dict[str, str], pairs: Iterator[tuple[str, str]]) -> list[Any]:
-    """One pytest param per ``(module, name)``; the known gaps as strict xfails."""
-    found = []
-    for module_name, name in pairs:
-        where = f"{module_name}.{name}"
-        marks = [pytest.mark.xfail(strict=True, reason=known[where])] if where in known else []
-        found.append(pytest.param(module_name, name, id=where, marks=marks))
-    return found
+def params(pairs: Iterator[tuple[str, str]]) -> list[Any]:
+    """One pytest param per ``(module, name)``, named ``module.name``."""
+    return [pytest.param(m, n, id=f"{m}.{n}") for m, n in pairs]
 
 
 def is_class_or_function(obj: object) -> bool:
@@ -108,14 +87,6 @@ def test_all_lists_existing_names_once(module_name: str) -> None:
     assert missing == []
 
 
-def test_known_gaps_name_exported_or_present_names() -> None:
-    """The xfail lists above stay about names that exist."""
-    for where in [*UNDOCUMENTED, *UNLISTED]:
-        module_name, name = split(where)
-        assert module_name in PUBLIC_MODULES and hasattr(module(module_name), name), where
-    assert set(UNDOCUMENTED) <= {f"{m}.{n}" for m, n in exports()}
-
-
 # ------------------------------------------------------------- documented
 
 
@@ -134,7 +105,7 @@ def documented_names() -> set[str]:
     return names
 
 
-@pytest.mark.parametrize(("module_name", "name"), params(UNDOCUMENTED, exports()))
+@pytest.mark.parametrize(("module_name", "name"), params(exports()))
 def test_every_exported_name_is_documented(module_name: str, name: str) -> None:
     assert name in documented_names(), f"{module_name}.{name} is in neither api.md nor reference.md"
 
@@ -149,7 +120,7 @@ def classes_and_functions() -> Iterator[tuple[str, str]]:
             yield module_name, name
 
 
-@pytest.mark.parametrize(("module_name", "name"), params({}, classes_and_functions()))
+@pytest.mark.parametrize(("module_name", "name"), params(classes_and_functions()))
 def test_exported_classes_and_functions_live_at_their_public_path(
     module_name: str, name: str
 ) -> None:
@@ -309,21 +280,6 @@ def unlisted(module_name: str) -> set[str]:
     return found
 
 
-def unlisted_names() -> Iterator[tuple[str, str]]:
-    for module_name in PUBLIC_MODULES:
-        for name in sorted(unlisted(module_name)):
-            yield module_name, name
-
-
 @pytest.mark.parametrize("module_name", PUBLIC_MODULES)
 def test_nothing_else_looks_public(module_name: str) -> None:
-    known = {name for where, name in map(split, UNLISTED) if where == module_name}
-    assert unlisted(module_name) - known == set(), "underscore them or add them to __all__"
-
-
-@pytest.mark.parametrize(
-    ("module_name", "name"),
-    params(UNLISTED, map(split, UNLISTED)),
-)
-def test_known_public_looking_name_is_fixed(module_name: str, name: str) -> None:
-    assert name not in unlisted(module_name)
+    assert unlisted(module_name) == set(), "underscore them or add them to __all__"

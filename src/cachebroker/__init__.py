@@ -7,10 +7,6 @@ then hands the space to the requester.
 """
 
 from . import _exports
-from ._broker import Broker as Broker
-from ._broker import Cache as Cache
-from ._broker import Lease as Lease
-from ._broker import Releaser as Releaser
 from ._errors import AcquireTimeout as AcquireTimeout
 from ._errors import BrokerClosed as BrokerClosed
 from ._errors import BrokerError as BrokerError
@@ -31,6 +27,10 @@ from ._policies import CostAware as CostAware
 from ._policies import Policy as Policy
 from ._policies import PolicyBase as PolicyBase
 from ._policies import PolicyEntry as PolicyEntry
+from ._shell import Broker as Broker
+from ._shell import Cache as Cache
+from ._shell import Lease as Lease
+from ._shell import Releaser as Releaser
 from ._sizes import parse_bytes as parse_bytes
 from ._stats import EvictionReport as EvictionReport
 from ._stats import Stats as Stats

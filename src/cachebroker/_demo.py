@@ -17,8 +17,8 @@ from typing import Any, TextIO
 import anyio
 import structlog
 
-from ._broker import Broker, Cache
 from ._errors import BrokerError
+from ._shell import Broker, Cache
 from ._sizes import parse_bytes
 from ._units import format_bytes
 

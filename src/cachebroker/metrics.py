@@ -34,8 +34,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from . import _log_events as ev
-from ._broker import Broker, _running_backend
 from ._errors import BrokerClosed
+from ._shell import Broker
+from ._shell._backend import call_soon_threadsafe as _call_soon_threadsafe
+from ._shell._backend import running_backend as _running_backend
+from ._shell._broker import check_running as _check_running
 from ._stats import Stats
 
 __all__ = ["LOAD_BUCKETS", "RELEASE_BUCKETS", "BrokerMetrics", "instrument"]
@@ -47,7 +50,7 @@ LOAD_BUCKETS: tuple[float, ...] = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 
 RELEASE_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
 
 #: How long a scrape from another thread waits for the event loop.
-SCRAPE_TIMEOUT = 5.0
+_SCRAPE_TIMEOUT = 5.0
 
 T = TypeVar("T")
 
@@ -105,7 +108,7 @@ class BrokerMetrics(Collector):
     ) -> None:
         if not isinstance(broker, Broker):
             raise TypeError(f"broker must be a cachebroker.Broker, got {broker!r}")
-        broker._check_running()
+        _check_running(broker)
         if not namespace.replace("_", "").isalnum():
             raise ValueError(f"namespace must be letters, digits and '_', got {namespace!r}")
         self._broker = broker
@@ -156,7 +159,7 @@ class BrokerMetrics(Collector):
                 done.set_exception(exc)
 
         self._call_soon(run)
-        return done.result(timeout=SCRAPE_TIMEOUT)
+        return done.result(timeout=_SCRAPE_TIMEOUT)
 
     def collect(self) -> Iterator[Metric]:
         """The series, from one consistent snapshot (see docs/metrics.md)."""
@@ -231,16 +234,9 @@ def _loop_caller() -> Callable[[Callable[[], None]], None]:
         backend = _running_backend()
     except Exception as exc:
         raise BrokerClosed("create BrokerMetrics on the broker's event loop") from exc
-    if backend == "trio":
-        import trio
+    call_soon = _call_soon_threadsafe(backend)
 
-        token = trio.lowlevel.current_trio_token()
-        return token.run_sync_soon
-    import asyncio
+    def call(func: Callable[[], None]) -> None:
+        call_soon(func)
 
-    loop = asyncio.get_running_loop()
-
-    def call_soon(func: Callable[[], None]) -> None:
-        loop.call_soon_threadsafe(func)
-
-    return call_soon
+    return call

@@ -115,7 +115,7 @@ def debug_check(log: Any) -> Callable[[int], bool]:
     """How the broker asks ``log`` whether debug events are wanted: call it with ``DEBUG``.
 
     The hit path does not ask on every hit: the broker keeps the answer and
-    asks again at every other step (``Broker.__init__`` says when), so a
+    asks again at every other step (``Runner.__init__`` says when), so a
     hit whose event would be dropped builds nothing. A logger that cannot
     tell (no ``is_enabled_for`` nor ``isEnabledFor``) gets every event.
     """

@@ -1,0 +1,388 @@
+"""``Broker``, the facade: construction, life cycle, ``cache()``, the operations, stats.
+
+What runs the broker is its ``Runner`` (``_runner``); the facade checks the
+arguments, builds the books and the runner, and turns each operation into a
+step of the books and the runner's effects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+from .. import _log_events as ev
+from .._core import Core, Entry, Reason, State
+from .._errors import InvalidArgument
+from .._policies import Policy, make_policy
+from .._sizes import parse_budget
+from .._stats import EvictionReport, Stats
+from . import _logging
+from ._cache import Cache, _CacheBlock
+from ._config import (
+    BudgetValue,
+    Listener,
+    ReleaseFunction,
+    Releaser,
+    alias_groups,
+    env_arguments,
+    oom_error_types,
+    positive_seconds,
+    remembered_sizes,
+    resolve_releaser,
+    split_probes,
+)
+from ._runner import Runner
+
+__all__ = ["Broker", "check_running"]
+
+
+class Broker:
+    """The central broker: holds the budgets of every memory space and decides what stays loaded.
+
+    Use it as an async context manager; open one ``cache(...)`` block per plugin
+    inside it::
+
+        async with cachebroker.Broker(budget={"ram": "16GiB", "cuda:0": "24GiB"}) as broker:
+            async with broker.cache("whisper", WhisperPlugin()) as cache:
+                async with cache.acquire("large-v3", load=load, size={"cuda:0": "3GiB"}) as lease:
+                    ...
+
+    Args:
+        budget: Bytes as an ``int``, a string such as ``"24GiB"``, a hardware
+            probe (``cachebroker.probes``), or a mapping of space name to any
+            of these. A single quantity means one space named
+            ``"default"``. A budget of 0 everywhere turns retention off: every
+            acquire loads (concurrent ones still share a load) and a value is
+            released as soon as its last lease ends.
+        policy: Eviction policy: ``"lru"`` (the default) or a ``Policy`` instance.
+        idle_ttl: Seconds an entry may sit unleased before the broker releases it
+            on its own timer; ``None`` disables idle eviction.
+        release_timeout: Seconds a releaser has to acknowledge; past it the entry
+            is quarantined (its bytes stay charged). ``None`` waits forever.
+        clock: A callable returning the current time in seconds, for idle
+            bookkeeping and load timings. Defaults to the event loop's clock.
+        logger: Where events go (``docs/events.md``): a structlog logger, or a
+            standard library ``logging.Logger`` (or ``LoggerAdapter``). By
+            default, the application's structlog configuration if it has one,
+            else the standard library logger ``"cachebroker"``, so that
+            ``logging``'s levels and handlers apply and nothing below
+            ``WARNING`` shows unless the application asks.
+        oom_errors: Exception types that mean "out of memory" when a loader
+            raises them (e.g. ``torch.cuda.OutOfMemoryError``), in addition to
+            ``MemoryError`` and ``OutOfSpace``. The broker then frees the next
+            idle victim and retries the load (free and retry).
+        oom_retries: How many times one load may be retried after freeing.
+        aliases: Groups of space names known to be one memory, e.g. from a
+            previous broker's ``stats().aliases``. They share one capacity
+            (the larger budget) and evict from each other.
+        alias_threshold: How many times a load in one space must have fit only
+            after freeing in another before the broker merges the two.
+        memory_wait: After a release on a probed space, how long to wait for
+            the device to show at least 75% of the bytes back before granting
+            them (``None`` or 0: do not wait).
+        probe_interval: Seconds between re-reads of probed spaces on the
+            broker's timer (they are also re-read before every miss).
+        blocking_warning: Seconds a releaser may run without yielding to the
+            event loop before ``cachebroker.release.blocking`` is logged (a
+            releaser runs on the loop: ``gc.collect()`` or a device
+            synchronisation there stalls every other task; offload them with
+            ``anyio.to_thread.run_sync``). ``None`` turns the check off.
+        lease_warning: Seconds a lease may be held while requests wait for
+            its space before ``cachebroker.lease.held`` is logged (once per
+            lease), naming cache, key and the holder tasks: a forgotten
+            lease otherwise stalls every request behind it silently.
+            ``None`` turns the check off.
+        sizes: Measured sizes to start from, as ``export_sizes()`` returned
+            them from a previous broker: ``{cache: {key: size}}``, each size
+            as for ``acquire(size=...)``. A load sized by measurement reserves
+            its key's remembered size.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        budget: BudgetValue | Mapping[str, BudgetValue],
+        *,
+        policy: str | Policy = "lru",
+        idle_ttl: float | None = None,
+        release_timeout: float | None = 30.0,
+        clock: Callable[[], float] | None = None,
+        logger: Any = None,
+        oom_errors: type[BaseException] | tuple[type[BaseException], ...] = (),
+        oom_retries: int = 8,
+        aliases: Iterable[Iterable[str]] = (),
+        alias_threshold: int = 3,
+        sizes: Mapping[str, Mapping[Any, Any]] | None = None,
+        blocking_warning: float | None = 0.1,
+        lease_warning: float | None = 60.0,
+        memory_wait: float | None = 5.0,
+        probe_interval: float = 1.0,
+    ) -> None:
+        budget, probes = split_probes(budget)
+        spaces = parse_budget(budget)
+        memory_wait = positive_seconds(memory_wait, "memory_wait") if memory_wait else None
+        checked_probe_interval = positive_seconds(probe_interval, "probe_interval")
+        oom_types = oom_error_types(oom_errors)
+        if isinstance(oom_retries, bool) or not isinstance(oom_retries, int) or oom_retries < 0:
+            raise InvalidArgument(f"oom_retries must be a non-negative int, got {oom_retries!r}")
+        idle_ttl = positive_seconds(idle_ttl, "idle_ttl", inf_is_none=True)
+        release_timeout = positive_seconds(release_timeout, "release_timeout", inf_is_none=True)
+        blocking_warning = positive_seconds(blocking_warning, "blocking_warning", inf_is_none=True)
+        lease_warning = positive_seconds(lease_warning, "lease_warning", inf_is_none=True)
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        core = self._core = Core(
+            spaces,
+            make_policy(policy),
+            idle_ttl=idle_ttl,
+            retain=True if probes else None,
+        )
+        if isinstance(alias_threshold, bool) or not isinstance(alias_threshold, int):
+            raise TypeError(f"alias_threshold must be an int, got {alias_threshold!r}")
+        if alias_threshold < 1:
+            raise InvalidArgument(f"alias_threshold must be at least 1, got {alias_threshold}")
+        for cache_name, key, charge in remembered_sizes(sizes, spaces):
+            core.remember(cache_name, key, charge)
+        for group in alias_groups(aliases, spaces):
+            for name in group[1:]:
+                core.merge_spaces(group[0], name)
+        self._runner = Runner(
+            core,
+            budget=dict(spaces),
+            probes=probes,
+            idle_ttl=idle_ttl,
+            release_timeout=release_timeout,
+            blocking_warning=blocking_warning,
+            lease_warning=lease_warning,
+            memory_wait=memory_wait,
+            probe_interval=checked_probe_interval,
+            oom_errors=oom_types,
+            oom_retries=oom_retries,
+            alias_threshold=alias_threshold,
+            clock=clock,
+            logger=_logging.check_logger(logger),
+        )
+
+    # ------------------------------------------------------------ life cycle
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Broker:
+        """Build a broker from ``CACHEBROKER_*`` environment variables.
+
+        ``CACHEBROKER_BUDGET`` is required: ``"24GiB"`` or
+        ``"ram=16GiB,cuda:0=24GiB"``. ``CACHEBROKER_IDLE_TTL`` is seconds
+        (0 = off) and ``CACHEBROKER_POLICY`` a policy name. Keyword arguments
+        override the environment. A malformed value raises ``InvalidArgument``
+        naming the variable and the value.
+        """
+        return cls(**env_arguments(environ, overrides))
+
+    async def __aenter__(self) -> Broker:
+        """Start the broker: its task group and idle sweeper run until the block ends.
+
+        Cancellation: nothing to undo; the broker was not started.
+        """
+        if self._runner.running or self._core.closed:
+            raise RuntimeError("a Broker can be entered only once")
+        await self._runner.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        """Close every cache still open (see ``Cache``), then stop the sweeper.
+
+        Waiting requests fail with ``BrokerClosed`` and loads are cancelled.
+        Worker threads of plain loaders that the caches gave up while they ran
+        are waited for (bounded by ``release_timeout``) so that what they make
+        is released; those still running then are left to themselves and
+        their entries quarantined.
+        Cancellation: the closing of the caches is shielded, so it completes
+        (each bounded by ``release_timeout``) even when the block is cancelled.
+        """
+        return await self._runner.stop(exc_type, exc, tb)
+
+    def cache(
+        self, name: str, releaser: Releaser | ReleaseFunction
+    ) -> AbstractAsyncContextManager[Cache]:
+        """Open a plugin's view of the broker: ``async with broker.cache(name, releaser) as cache``.
+
+        The block runs a task group in which this cache's loads and releases
+        run. Keys are per cache. Leaving the block releases the cache's entries
+        through ``releaser``, waiting (bounded by ``release_timeout``) for
+        leases still held; see ``Cache`` for the rules. Cancellation: entering
+        is not a cancellation point of its own; leaving is shielded up to
+        ``release_timeout``, so the entries are released even when the block
+        is cancelled.
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"cache name must be a non-empty string, got {name!r}")
+        return _CacheBlock(self._runner, name, resolve_releaser(releaser))
+
+    # -------------------------------------------------------- operations
+
+    async def evict_idle(self) -> EvictionReport:
+        """Release every entry idle for at least ``idle_ttl``; wait for the acknowledgements.
+
+        Without an ``idle_ttl`` nothing is idle long enough and the report is
+        empty. Cancellation stops the wait, not the releases already asked for.
+        """
+        self._runner.check_running()
+        runner = self._runner
+        expired = self._core.sweep(runner.clock())
+        runner.apply()
+        return await runner.await_releases(expired)
+
+    async def clear(self) -> EvictionReport:
+        """Release every loaded entry of every cache; leased ones go when their last lease ends.
+
+        Waits for the acknowledgements of the entries that were idle.
+        Cancellation stops the wait, not the releases already asked for.
+        """
+        self._runner.check_running()
+        core = self._core
+        before = {entry for entry in core.entries() if entry.state is State.READY}
+        core.clear()
+        self._runner.apply()
+        started = [entry for entry in before if entry.state is State.RELEASING]
+        return await self._runner.await_releases(started)
+
+    async def forget(self, cache: str, key: Hashable) -> int:
+        """Write off the quarantined entries of ``key`` in cache ``cache``.
+
+        A quarantined entry is one whose release raised or timed out; its bytes
+        stay charged because nobody knows whether the memory came back. Call
+        this once you have dealt with it (the process that held the memory is
+        gone, the device was reset): its bytes are returned to the budget and
+        waiting requests may be granted. Returns how many entries were written
+        off (0 when none is quarantined under that name and key). A release
+        that acknowledges after this changes nothing. Cancellation: the entries
+        are written off in one step before the call's only checkpoint.
+        """
+        self._runner.check_running()
+        core = self._core
+        written_off = [
+            entry for entry in core.quarantined if entry.owner.name == cache and entry.key == key
+        ]
+        for entry in written_off:
+            core.forget(entry)
+            self._runner.emit(
+                "warning", ev.QUARANTINE_FORGOTTEN, cache=cache, key=key, bytes=dict(entry.charge)
+            )
+        self._runner.apply()
+        await anyio.lowlevel.checkpoint()
+        return len(written_off)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event, fields)`` for each event the broker logs from now on.
+
+        ``event`` is a name from the event catalogue (``docs/events.md``) and
+        ``fields`` its fields, as structlog gets them, whatever the logger's
+        level. The per-request events (``cachebroker.hit``, ``.miss`` and
+        ``.wait``) are not delivered: they are counted in ``stats()``.
+        Listeners run synchronously on the event loop, in the step that
+        produced the event: they must be quick and must not block. One that
+        raises is removed, and ``cachebroker.listener.failed`` is logged.
+        Metrics exporters (``cachebroker.metrics``) are built on this.
+        """
+        if not callable(listener):
+            raise TypeError(f"listener must be a callable (event, fields), got {listener!r}")
+        self._runner.listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener``; a listener that is not registered is ignored."""
+        with contextlib.suppress(ValueError):
+            self._runner.listeners.remove(listener)
+
+    async def stats(self) -> Stats:
+        """Return a snapshot of the books (see ``Stats``).
+
+        The snapshot is taken in one step; the call is a checkpoint, so it may
+        raise the caller's cancellation, and nothing else.
+        """
+        await anyio.lowlevel.checkpoint()
+        return self.stats_nowait()
+
+    def export_sizes(self) -> dict[str, dict[Hashable, dict[str, int]]]:
+        """The measured size of every key measured so far: ``{cache: {key: {space: bytes}}}``.
+
+        Sizes are remembered across evictions (and closed caches), so a load
+        sized by measurement reserves what its key weighed last time. Save
+        them (with string keys they are plain JSON) and give them to the next
+        broker as ``Broker(..., sizes=...)``. A plain method: it may be called
+        after the broker's block has ended.
+        """
+        exported: dict[str, dict[Hashable, dict[str, int]]] = {}
+        for (cache_name, key), charge in self._core.sizes.items():
+            exported.setdefault(cache_name, {})[key] = dict(charge)
+        return exported
+
+    def stats_nowait(self) -> Stats:
+        """The same snapshot as ``stats()``, for synchronous callers (metrics exporters)."""
+        core = self._core
+        counts = dict.fromkeys(State, 0)
+        for entry in core.entries():
+            counts[entry.state] += 1
+        waiting = sum(len(entry.joiners) for entry in core.queue)
+        return Stats(
+            entries=counts[State.LOADING]
+            + counts[State.READY]
+            + counts[State.RELEASING]
+            + counts[State.QUARANTINED],
+            used={name: space.used for name, space in core.spaces.items()},
+            budget={name: space.budget for name, space in core.spaces.items()},
+            hits=core.hits,
+            misses=core.misses,
+            loads=core.loads,
+            load_failures=core.load_failures,
+            load_seconds=core.load_seconds,
+            evictions=core.evictions[Reason.CAPACITY]
+            + core.evictions[Reason.IDLE]
+            + core.evictions[Reason.RETRY],
+            oom_retries=core.oom_retries,
+            aliases=tuple(core.aliases()),
+            releases={reason.value: n for reason, n in core.evictions.items()},
+            releases_failed=core.releases_failed,
+            releases_timed_out=self._runner.release_timeouts,
+            releases_blocking=self._runner.releases_blocking,
+            waiting=waiting,
+            loading=counts[State.LOADING],
+            ready=counts[State.READY],
+            leased=sum(1 for entry in core.busy if entry.leases),
+            releasing=counts[State.RELEASING],
+            quarantined=counts[State.QUARANTINED],
+            quarantined_keys=tuple((entry.owner.name, entry.key) for entry in core.quarantined),
+        )
+
+    # ------------------------------------------------------- for the tests
+
+    @property
+    def _budget(self) -> dict[str, int]:
+        return self._runner.budget
+
+    @property
+    def _idle_ttl(self) -> float | None:
+        return self._runner.idle_ttl
+
+    @property
+    def _release_timeout(self) -> float | None:
+        return self._runner.release_timeout
+
+    @property
+    def _held(self) -> dict[Entry, float]:
+        return self._runner.held
+
+
+def check_running(broker: Broker) -> None:
+    """Raise ``BrokerClosed`` unless ``broker`` runs, ``WrongEventLoop`` off its loop's thread."""
+    broker._runner.check_running()

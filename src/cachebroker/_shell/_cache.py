@@ -1,0 +1,308 @@
+"""``Cache``, a plugin's view of the broker, and the block that opens and closes it.
+
+A ``Cache`` checks its arguments and builds leases (``Lease``); what it asks
+of the broker goes through its ``Actor`` (``_actor``): the hit path's books,
+the slow path's ``request``, the block's ``open_block`` and ``close_block``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Hashable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+import anyio
+
+from .._core import Entry
+from .._errors import BrokerClosed, InvalidKey
+from .._sizes import parse_size
+from ._config import (
+    ReleaseFunction,
+    SizeSpec,
+    non_negative_seconds,
+    positive_seconds,
+)
+from ._lease import _PENDING, Lease, _Tuned
+
+if TYPE_CHECKING:
+    from ._actor import Actor, Block
+
+__all__ = ["Cache"]
+
+T = TypeVar("T")
+
+#: Sizes checked once and remembered per cache (hashable, immutable).
+_PLAIN = frozenset({int, str})
+
+
+class _CacheBlock:
+    """The async context manager returned by ``Broker.cache``."""
+
+    __slots__ = ("_actor", "_block", "_name", "_releaser")
+
+    def __init__(self, actor: Actor, name: str, releaser: ReleaseFunction) -> None:
+        self._actor = actor
+        self._name = name
+        self._releaser = releaser
+        self._block: Block | None = None
+
+    async def __aenter__(self) -> Cache:
+        actor = self._actor
+        actor.check_running()
+        block = self._block = await actor.open_block(self._name, self._releaser)
+        return Cache(actor, block)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._block is not None
+        return await self._actor.close_block(self._block, exc_type, exc, tb)
+
+
+class Cache:
+    """A plugin's view of the broker, yielded by ``broker.cache(name, releaser)``.
+
+    Keys are this cache's own: another cache's ``"base"`` is a different entry.
+    Loads and releases of this cache's entries run in its block's task group.
+
+    Leaving the block closes the cache: new acquires fail with
+    ``BrokerClosed``, requests still waiting fail with ``BrokerClosed``, loads
+    in flight are cancelled (the worker thread of a plain loader, which cannot
+    be stopped, is not waited for: what it makes is released through the
+    releaser once it returns), idle entries are released through the releaser
+    and awaited. Leased entries are released when their last lease ends; the
+    exit waits for that up to ``release_timeout``. Leases still held then are
+    never freed under their holders: the exit raises ``LeasesOutstanding``
+    naming them, and their bytes stay charged (quarantined) since nobody is
+    left to release them.
+    """
+
+    __slots__ = ("_actor", "_block", "_entries", "_owner", "_sizes_seen", "name")
+
+    def __init__(self, actor: Actor, block: Block) -> None:
+        self._actor = actor
+        self._block = block
+        self._owner = owner = block.owner
+        self._entries = owner.entries
+        #: Plain sizes (ints, strings) already checked, so a hit checks them cheaply.
+        self._sizes_seen: dict[object, None] = {}
+        self.name = owner.name
+
+    def __repr__(self) -> str:
+        return f"<Cache {self.name!r} entries={len(self._owner.live)}>"
+
+    @overload
+    def acquire(
+        self,
+        key: Hashable,
+        *,
+        load: Callable[[], Awaitable[T]],
+        size: SizeSpec = None,
+        measure: Callable[[T], Any] | None = None,
+        timeout: float | None = None,
+        cost: float | None = None,
+        idle_ttl: float | None = None,
+        pin: bool = False,
+    ) -> Lease[T]: ...
+
+    @overload
+    def acquire(
+        self,
+        key: Hashable,
+        *,
+        load: Callable[[], T],
+        size: SizeSpec = None,
+        measure: Callable[[T], Any] | None = None,
+        timeout: float | None = None,
+        cost: float | None = None,
+        idle_ttl: float | None = None,
+        pin: bool = False,
+    ) -> Lease[T]: ...
+
+    def acquire(
+        self,
+        key: Hashable,
+        *,
+        load: Callable[[], Any],
+        size: SizeSpec = None,
+        measure: Callable[[Any], Any] | None = None,
+        timeout: float | None = None,
+        cost: float | None = None,
+        idle_ttl: float | None = None,
+        pin: bool = False,
+    ) -> Lease[Any]:
+        """Lease the value of ``key``, loading it first if needed.
+
+        Use as ``lease = await cache.acquire(...)`` (then ``await
+        lease.release()``) or ``async with cache.acquire(...) as lease``.
+
+        Args:
+            key: Any hashable; keys are per cache.
+            load: Called with no argument to make the value on a miss; an async
+                callable runs in this cache's task group, a plain one in a
+                worker thread (an awaitable it returns, as from
+                ``lambda: load_model(name)``, is then awaited in the task
+                group). Concurrent acquires of one key share one load.
+            size: What admission reserves before ``load`` runs: bytes or
+                ``"3GiB"`` in the default space, or a mapping of space to
+                either. A callable here means ``measure=`` with no declared
+                size.
+            measure: Called with the loaded value, returns its real size (as
+                for ``size``); the books are corrected to it (evicting more if
+                it is larger) and it is remembered for the key, across
+                evictions (``Broker.export_sizes``). Without ``size``, a load
+                reserves the key's remembered size; a key never measured is a
+                load of unknown size: such loads run one at a time, each
+                reserving the largest size its cache has measured in each
+                space, so together they never overshoot the budget by more
+                than one load's error, which its measurement corrects.
+            timeout: Seconds to wait for space and for the load; ``None`` waits
+                as long as it takes. On expiry ``AcquireTimeout`` is raised.
+            cost: What reloading the value costs, in seconds, for cost-aware
+                policies; by default the measured load time.
+            idle_ttl: This entry's idle TTL in seconds, overriding the broker's
+                (like Ollama's per-request keep_alive; the latest acquire's
+                setting wins). 0 releases it as soon as its last lease ends;
+                ``math.inf`` keeps it until evicted for space.
+            pin: Keep the entry resident regardless of policy and idle time
+                while this cache is open (until ``unpin(key)``). It is still
+                released by ``invalidate``, ``clear`` and closing the cache.
+
+        Raises:
+            RequestTooLarge: the size exceeds a space's whole budget.
+            DeadlockError: room could only be made by evicting leases this task holds.
+            AcquireTimeout: ``timeout`` expired.
+            BrokerClosed: the cache or the broker is closed.
+
+        Cancellation: cancelling the caller while it waits withdraws its request;
+        the shared load goes on for the other requesters and is cancelled (its
+        reservation returned) when the last one leaves. On trio a cache hit is a
+        cancellation point, and every 32nd one a schedule point too; on
+        asyncio a hit completes without suspending.
+        """
+        # Arguments are checked on every call, hits included: code that works
+        # with a warm cache must not fail after an eviction.
+        if not callable(load):
+            raise TypeError(
+                f"acquiring {self.name}:{key!r}: load must be a callable taking no argument, "
+                f"got {load!r}"
+            )
+        if size is not None and (size.__class__ not in _PLAIN or size not in self._sizes_seen):
+            self._check_size(key, size)
+        if timeout is not None:
+            timeout = positive_seconds(timeout, "timeout", inf_is_none=True)
+        if cost is None and idle_ttl is None and pin is False and measure is None:
+            # The hit path's usual call. ``Lease`` has no __init__ (a call to one costs a
+            # tenth of a hit): its fields are filled in here (and in ``_Tuned.__init__``).
+            lease: Lease[Any] = Lease()
+            lease._cache = self
+            lease.key = key
+            lease._load = load
+            lease._size = size
+            lease._timeout = timeout
+            lease._entry = None
+            lease._task = _PENDING
+            return lease
+        if cost is not None:
+            cost = non_negative_seconds(cost, "cost")
+        if idle_ttl is not None:
+            idle_ttl = non_negative_seconds(idle_ttl, "idle_ttl", allow_inf=True)
+        if not isinstance(pin, bool):
+            raise TypeError(f"pin must be True or False, got {pin!r}")
+        if measure is not None and not callable(measure):
+            raise TypeError(f"measure must be a callable taking the loaded value, got {measure!r}")
+        if measure is not None and callable(size):
+            raise TypeError(
+                "give the measurement once: either size=callable or measure=callable, not both"
+            )
+        options = None if idle_ttl is None and not pin else (idle_ttl, pin)
+        return _Tuned(self, key, load, size, timeout, cost, measure, options)
+
+    async def invalidate(self, key: Hashable) -> bool:
+        """Drop ``key``'s value so the next acquire loads afresh.
+
+        An idle value is released at once and its acknowledgement awaited; a
+        leased one is released when its last lease ends. Returns whether there
+        was a value to drop. Cancellation stops the wait for the
+        acknowledgement; the value is dropped either way.
+        """
+        actor = self._actor
+        if self._block.closed:
+            raise BrokerClosed(
+                f"cache {self.name!r} is closed: cannot invalidate {self.name}:{key!r}"
+            )
+        actor.check_running()
+        entry = self._find(key)
+        dropped = actor.core.invalidate(self._owner, key)
+        actor.apply()
+        if dropped and entry is not None and entry.shell.released is not None:
+            await actor.await_releases([entry])
+        else:
+            await anyio.lowlevel.checkpoint()
+        return dropped
+
+    async def unpin(self, key: Hashable) -> bool:
+        """Let the policy and the idle TTL govern ``key`` again (see ``acquire(pin=True)``).
+
+        Returns whether it was pinned. Cancellation: the entry is unpinned in
+        one step before the call's only checkpoint.
+        """
+        actor = self._actor
+        if self._block.closed:
+            raise BrokerClosed(f"cache {self.name!r} is closed: cannot unpin {self.name}:{key!r}")
+        actor.check_running()
+        self._find(key)
+        unpinned = actor.core.unpin(self._owner, key, actor.clock())
+        actor.apply()
+        entry = self._entries.get(key)
+        if entry is not None and entry.idle_seq:
+            actor.note_idle(entry)
+        await anyio.lowlevel.checkpoint()
+        return unpinned
+
+    def _check_size(self, key: Hashable, size: object) -> None:
+        """Check a size given to ``acquire`` (raising as ``parse_size``); remember plain ones."""
+        if callable(size):
+            return
+        try:
+            parse_size(size, self._actor.budget)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"acquiring {self.name}:{key!r}: {exc}") from None
+        if size.__class__ in _PLAIN and len(self._sizes_seen) < 1024:
+            self._sizes_seen[size] = None
+
+    def _find(self, key: Hashable) -> Entry | None:
+        try:
+            return self._entries.get(key)
+        except TypeError:
+            raise InvalidKey(
+                f"keys of cache {self.name!r} must be hashable, got {type(key).__name__} {key!r}"
+            ) from None
+
+    async def _acquire_slow(
+        self,
+        key: Hashable,
+        load: Callable[[], Any],
+        size: SizeSpec,
+        timeout: float | None,
+        cost: float | None = None,
+        measure: Callable[[Any], Any] | None = None,
+    ) -> tuple[Entry, object]:
+        """Acquire ``key`` when it is not ready (a miss, or a join): the entry and its holder."""
+        actor = self._actor
+        actor.refresh_trace()  # see Runner.__init__
+        self._find(key)  # an unhashable key is an InvalidKey
+        if self._block.closed or not actor.running:
+            raise BrokerClosed(f"cache {self.name!r} is closed: cannot acquire {self.name}:{key!r}")
+        if callable(size):
+            measure, size = size, None
+        need = None
+        if size is not None or measure is None:
+            try:
+                need = parse_size(size, actor.budget)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"acquiring {self.name}:{key!r}: {exc}") from None
+        return await actor.request(self._owner, key, load, need, measure, cost, timeout)

@@ -1,0 +1,248 @@
+"""The shell's arguments: their types, their checks, and ``Broker.from_env``'s parsing.
+
+Pure functions of their arguments (and of the environment mapping given):
+nothing here needs a running event loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import os
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+from typing import Any, Protocol, SupportsIndex, TypeVar, cast, runtime_checkable
+
+from .._errors import InvalidArgument, OutOfSpace
+from .._policies import make_policy
+from .._sizes import parse_bytes, parse_size
+from .._units import DEFAULT_SPACE
+from ..probes import Probe
+
+__all__ = [
+    "BudgetValue",
+    "Listener",
+    "Quantity",
+    "ReleaseFunction",
+    "Releaser",
+    "SizeSpec",
+    "alias_groups",
+    "env_arguments",
+    "is_async_callable",
+    "non_negative_seconds",
+    "oom_error_types",
+    "positive_seconds",
+    "remembered_sizes",
+    "resolve_releaser",
+    "split_probes",
+]
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class Releaser(Protocol):
+    """What a plugin implements so the broker can ask it to free a value.
+
+    ``release`` runs in the plugin's own task group (its ``broker.cache(...)``
+    block). Returning is the "freed" acknowledgement: the broker then counts
+    the value's bytes as free and may hand them to another plugin. Raising, or
+    not returning within the broker's ``release_timeout``, means the release
+    failed: the entry is quarantined and its bytes stay charged.
+    """
+
+    async def release(self, key: Any, value: Any) -> None:
+        """Free ``value``, the value loaded for ``key``.
+
+        Return only once the memory is really free (for a GPU, once the
+        framework's allocator gave it back). Cancellation: the broker cancels
+        a release only when the plugin's cache block is torn down past
+        ``release_timeout`` (for a value that a plain loader's thread returned
+        after the block was left: when the broker is); the entry is then
+        quarantined.
+        """
+
+
+ReleaseFunction = Callable[[Any, Any], Awaitable[None]]
+#: ``listener(event, fields)``: see ``Broker.add_listener``.
+Listener = Callable[[str, Mapping[str, Any]], None]
+#: Bytes: an ``int`` (numpy integers too), a whole ``float``, or ``"3GiB"``.
+Quantity = SupportsIndex | float | str
+SizeSpec = Quantity | Mapping[str, Quantity] | Callable[[Any], Any] | None
+BudgetValue = int | str | Probe | Callable[[], tuple[int, int]]
+
+
+def is_async_callable(func: object) -> bool:
+    if inspect.iscoroutinefunction(func):
+        return True
+    call = getattr(type(func), "__call__", None)  # noqa: B004 - instances with async __call__
+    return call is not None and inspect.iscoroutinefunction(call) and not inspect.isroutine(func)
+
+
+def resolve_releaser(releaser: object) -> ReleaseFunction:
+    method = getattr(releaser, "release", None)
+    if method is not None and is_async_callable(method):
+        return cast(ReleaseFunction, method)
+    if is_async_callable(releaser):
+        return cast(ReleaseFunction, releaser)
+    raise TypeError(
+        "releaser must be an object with an 'async def release(self, key, value)' method "
+        f"or an async function (key, value) -> None, got {releaser!r}"
+    )
+
+
+def non_negative_seconds(value: object, what: str, *, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
+    if math.isnan(value) or value < 0 or (math.isinf(value) and not allow_inf):
+        raise InvalidArgument(f"{what} must be a non-negative number of seconds, got {value!r}")
+    return float(value)
+
+
+def positive_seconds(value: object, what: str, *, inf_is_none: bool = False) -> float | None:
+    """``value`` as positive seconds; ``None`` (and ``math.inf`` where allowed) for "no limit"."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds or None, got {value!r}")
+    seconds = float(value)
+    if seconds == math.inf and inf_is_none:
+        return None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidArgument(f"{what} must be a positive number of seconds or None, got {value!r}")
+    return seconds
+
+
+def split_probes(budget: Any) -> tuple[Any, dict[str, Probe]]:
+    """Separate probed spaces from fixed ones; probed ones start at their first reading."""
+
+    if isinstance(budget, Probe):
+        budget = {DEFAULT_SPACE: budget}
+    if not isinstance(budget, Mapping):
+        return budget, {}
+    fixed: dict[str, Any] = {}
+    probes: dict[str, Probe] = {}
+    for name, amount in budget.items():
+        if isinstance(amount, Probe):
+            probes[name] = amount
+            fixed[name] = 0
+        elif callable(amount):
+            probes[name] = Probe(amount, name=str(name))
+            fixed[name] = 0
+        else:
+            fixed[name] = amount
+    return fixed, probes
+
+
+def remembered_sizes(
+    sizes: Mapping[str, Mapping[Any, Any]] | None, spaces: Mapping[str, int]
+) -> list[tuple[str, Hashable, dict[str, int]]]:
+    """Check ``Broker(sizes=...)``: ``{cache: {key: size}}`` as ``export_sizes()`` returns it."""
+    if sizes is None:
+        return []
+    if not isinstance(sizes, Mapping):
+        raise TypeError(f"sizes must be a mapping {{cache: {{key: size}}}}, got {sizes!r}")
+    remembered = []
+    for cache_name, keys in sizes.items():
+        if not isinstance(cache_name, str) or not isinstance(keys, Mapping):
+            raise TypeError(
+                "sizes must map each cache name (a string) to a mapping {key: size}, "
+                f"got {cache_name!r}: {keys!r}"
+            )
+        for key, size in keys.items():
+            try:
+                charge = parse_size(size, spaces)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"sizes[{cache_name!r}][{key!r}]: {exc}") from None
+            remembered.append((cache_name, key, charge))
+    return remembered
+
+
+def alias_groups(groups: Iterable[Iterable[str]], spaces: Mapping[str, int]) -> list[list[str]]:
+    result = []
+    for group in groups:
+        if isinstance(group, str):
+            raise TypeError(f"aliases must be groups of space names, got the string {group!r}")
+        names = list(group)
+        for name in names:
+            if name not in spaces:
+                raise InvalidArgument(
+                    f"alias names unknown space {name!r}; the budget has spaces {sorted(spaces)}"
+                )
+        if len(names) < 2:
+            raise InvalidArgument(f"an alias group needs at least two spaces, got {names!r}")
+        result.append(names)
+    return result
+
+
+def oom_error_types(
+    extra: type[BaseException] | tuple[type[BaseException], ...],
+) -> tuple[type[BaseException], ...]:
+    given = extra if isinstance(extra, tuple) else (extra,)
+    for kind in given:
+        if not (isinstance(kind, type) and issubclass(kind, Exception)):
+            raise TypeError(f"oom_errors must be exception classes, got {kind!r}")
+    return (MemoryError, OutOfSpace, *given)
+
+
+def env_arguments(
+    environ: Mapping[str, str] | None, overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``Broker``'s keyword arguments from ``CACHEBROKER_*`` variables, ``overrides`` winning.
+
+    See ``Broker.from_env``.
+    """
+    env = os.environ if environ is None else environ
+    kwargs: dict[str, Any] = {}
+    raw = env.get("CACHEBROKER_BUDGET")
+    if "budget" not in overrides:
+        if raw is None or not raw.strip():
+            raise InvalidArgument(
+                "CACHEBROKER_BUDGET is not set; set it to e.g. '24GiB' or 'ram=16GiB,cuda:0=24GiB'"
+            )
+        kwargs["budget"] = _env_value("CACHEBROKER_BUDGET", raw, _parse_env_budget)
+    raw = env.get("CACHEBROKER_IDLE_TTL")
+    if raw is not None and raw.strip():
+        kwargs["idle_ttl"] = _env_value("CACHEBROKER_IDLE_TTL", raw, _parse_env_ttl)
+    raw = env.get("CACHEBROKER_POLICY")
+    if raw is not None and raw.strip():
+        kwargs["policy"] = _env_value("CACHEBROKER_POLICY", raw, _parse_env_policy)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def _env_value(name: str, raw: str, parse: Callable[[str], T]) -> T:
+    try:
+        return parse(raw)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgument(f"{name}={raw!r} is invalid: {exc}") from exc
+
+
+def _parse_env_budget(raw: str) -> int | dict[str, int]:
+    if "=" not in raw:
+        return parse_bytes(raw.strip(), what="budget")
+    spaces: dict[str, int] = {}
+    for part in raw.split(","):
+        name, sep, amount = part.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise InvalidArgument(f"expected SPACE=SIZE pairs separated by commas, got {part!r}")
+        if name in spaces:
+            raise InvalidArgument(f"space {name!r} is given twice")
+        spaces[name] = parse_bytes(amount.strip(), what=f"budget of space {name!r}")
+    return spaces
+
+
+def _parse_env_ttl(raw: str) -> float | None:
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise InvalidArgument("expected a number of seconds (0 turns idle eviction off)") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgument("expected a non-negative number of seconds")
+    return seconds or None
+
+
+def _parse_env_policy(raw: str) -> str:
+    make_policy(raw.strip())
+    return raw.strip()
