@@ -142,25 +142,7 @@ class Lease(Generic[T_co]):
         tb: TracebackType | None,
     ) -> Awaitable[None]:
         """End the lease (``release()``); never a cancellation point, never raises."""
-        # release(), written out: one call less for every ``async with``.
-        entry = self._entry
-        if entry is None:
-            return _DONE
-        self._entry = None
-        task = self._task
-        self._task = _RELEASED
-        actor = self._cache._actor
-        if get_ident() != actor.thread:
-            actor.end_lease_soon(entry, task)
-            return _DONE
-        core = actor.core
-        timed = entry.ttl is not None or actor.idle_ttl is not None
-        core.lease_end(entry, task, actor.clock() if timed else 0.0)
-        if core.effects:
-            actor.apply()
-        if timed and not entry.leases:
-            actor.note_idle(entry)
-        return _DONE
+        return self.release()
 
     @property
     def value(self) -> T_co:
