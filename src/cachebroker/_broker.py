@@ -48,6 +48,7 @@ from typing import (
     Protocol,
     SupportsIndex,
     TypeVar,
+    assert_never,
     cast,
     overload,
     runtime_checkable,
@@ -59,7 +60,20 @@ import anyio.to_thread
 
 from . import _log_events as ev
 from . import _logging
-from ._core import Core, Effect, Entry, Owner, Reason, State, Ticket
+from ._core import (
+    CancelLoad,
+    Core,
+    Entry,
+    Owner,
+    OwnerEmpty,
+    Quarantined,
+    Reason,
+    Settled,
+    StartLoad,
+    StartRelease,
+    State,
+    Ticket,
+)
 from ._errors import (
     AcquireTimeout,
     BrokerClosed,
@@ -811,43 +825,46 @@ class Broker:
         core = self._core
         while core.effects:
             effects, core.effects = core.effects, []
-            for kind, subject in effects:
-                if kind is Effect.SETTLED:
-                    slot = subject.shell
-                    slot.done.set()
-                    if subject.joiners:  # one requester was refused alone: the rest wait on
-                        slot.done = anyio.Event()
-                elif kind is Effect.START_LOAD:
-                    self._start_load(subject)
-                elif kind is Effect.START_RELEASE:
-                    self._start_release(*subject)
-                elif kind is Effect.CANCEL_LOAD:
-                    slot = subject.shell
-                    slot.cancelled = True
-                    if slot.scope is not None:
-                        slot.scope.cancel()
-                    if subject.owner.closing:
-                        # Its cache closes: stop waiting for a worker thread, which
-                        # cannot be stopped (see _load_in_thread).
-                        slot.abandoned = True
-                        if slot.thread_wait is not None:
-                            slot.thread_wait.cancel()
-                elif kind is Effect.QUARANTINED:
-                    slot = subject.shell
-                    self._emit(
-                        "error",
-                        ev.RELEASE_FAILED,
-                        cache=subject.owner.name,
-                        key=subject.key,
-                        error=repr(subject.error),
-                        timed_out=slot.timed_out,
-                        seconds=self._since(slot.release_started),
-                        bytes=dict(subject.charge),
-                    )
-                elif kind is Effect.OWNER_EMPTY:
-                    cache = self._caches.get(subject)
-                    if cache is not None:
-                        cache._empty.set()
+            for effect in effects:
+                match effect:
+                    case Settled(entry):
+                        slot = entry.shell
+                        slot.done.set()
+                        if entry.joiners:  # one requester was refused alone: the rest wait on
+                            slot.done = anyio.Event()
+                    case StartLoad(entry):
+                        self._start_load(entry)
+                    case StartRelease(entry, reason):
+                        self._start_release(entry, reason)
+                    case CancelLoad(entry):
+                        slot = entry.shell
+                        slot.cancelled = True
+                        if slot.scope is not None:
+                            slot.scope.cancel()
+                        if entry.owner.closing:
+                            # Its cache closes: stop waiting for a worker thread, which
+                            # cannot be stopped (see _load_in_thread).
+                            slot.abandoned = True
+                            if slot.thread_wait is not None:
+                                slot.thread_wait.cancel()
+                    case Quarantined(entry):
+                        slot = entry.shell
+                        self._emit(
+                            "error",
+                            ev.RELEASE_FAILED,
+                            cache=entry.owner.name,
+                            key=entry.key,
+                            error=repr(entry.error),
+                            timed_out=slot.timed_out,
+                            seconds=self._since(slot.release_started),
+                            bytes=dict(entry.charge),
+                        )
+                    case OwnerEmpty(owner):
+                        cache = self._caches.get(owner)
+                        if cache is not None:
+                            cache._empty.set()
+                    case _:
+                        assert_never(effect)
 
     def _start_load(self, entry: Entry) -> None:
         cache = self._caches[entry.owner]
