@@ -66,63 +66,50 @@ def schedule(books: Core) -> None:
     for entry in books.queue:  # Grants are applied after the walk: no copy of the queue.
         if len(blocked) == every_space and not books._holding_waiters:
             break  # Nobody further back may be granted or evicted for.
+        # One pass over its spaces (usually a single one) gathers what the
+        # decision needs; nothing changes the books before the decision.
         need = entry.need
-        if len(need) == 1:  # The common case, without set and generator machinery.
-            ((name, amount),) = need.items()
-            space = spaces[name]
-            if amount > space.limit - space.quarantined:
-                refused.append(entry)
-                continue
-            if name in blocked and not entry.holding:
-                continue
-            taken = promised.get(name, 0)
-            short = amount - (space.capacity - space.used + space.releasing - taken)
-            # (_evict's own coverage test, first: the usual answer under contention.)
-            if short > 0 and (space.idle_bytes < short or not evict(books, {name: short})):
-                if name not in blocked:
-                    blocked.add(name)
-                    drain(books, entry, {name: short})
-                continue
-            promised[name] = taken + amount
-            extra = granted.get(name, 0)
-            if (
-                entry.after is None
-                and name not in unfinished
-                and space.used + extra + amount <= space.capacity
-            ):
-                granted[name] = extra + amount
-                grants.append(entry)
-            else:
-                unfinished.add(name)
-            continue
-        if any(amount > spaces[name].attainable for name, amount in need.items()):
-            refused.append(entry)
-            continue
-        if not entry.holding and not blocked.isdisjoint(need):
-            blocked.update(need)
-            continue
-        shortfall: dict[str, int] | None = None
+        attainable = True  # without waiting on forget()
+        behind = False  # one of its spaces is blocked by an earlier waiter
+        shortfall: dict[str, int] | None = None  # short of ``avail``, per space
+        coverable = True  # idle entries could cover every shortfall
+        grantable = entry.after is None  # fits the free bytes; nobody earlier unfinished
         for name, amount in need.items():
             space = spaces[name]
-            short = amount - (space.capacity - space.used + space.releasing - promised.get(name, 0))
+            if amount > space.limit - space.quarantined:
+                attainable = False
+                break
+            if name in blocked:
+                behind = True
+            taken = promised.get(name, 0)
+            short = amount - (space.capacity - space.used + space.releasing - taken)
             if short > 0:
                 if shortfall is None:
                     shortfall = {}
                 shortfall[name] = short
-        if shortfall is not None and not evict(books, shortfall):
-            heads = {name: short for name, short in shortfall.items() if name not in blocked}
+                if space.idle_bytes < short:
+                    coverable = False
+            if grantable and (
+                name in unfinished or space.used + granted.get(name, 0) + amount > space.capacity
+            ):
+                grantable = False
+        if not attainable:
+            refused.append(entry)
+            continue
+        if behind and not entry.holding:
+            blocked.update(need)
+            continue
+        # (``evict``'s own coverage test, first: the usual answer under contention.)
+        if shortfall is not None and not (coverable and evict(books, shortfall)):
+            heads = (
+                {name: short for name, short in shortfall.items() if name not in blocked}
+                if behind
+                else shortfall
+            )
             blocked.update(need)
             if heads:
                 drain(books, entry, heads)
             continue
-        grantable = (
-            entry.after is None
-            and unfinished.isdisjoint(need)
-            and all(
-                spaces[name].used + granted.get(name, 0) + amount <= spaces[name].capacity
-                for name, amount in need.items()
-            )
-        )
         for name, amount in need.items():
             promised[name] = promised.get(name, 0) + amount
             if grantable:
