@@ -58,7 +58,6 @@ def schedule(books: Core) -> None:
     spaces = books.spaces
     every_space = len(books.canon_names)
     promised: dict[str, int] = {}  # to earlier waiters: granted in this pass, or covered
-    granted: dict[str, int] = {}  # granted in this pass, not yet in ``used``
     unfinished: set[str] = set()  # spaces where an earlier waiter is not granted yet
     blocked: set[str] = set()  # spaces where an earlier waiter cannot be covered
     grants: list[Entry] = []
@@ -67,7 +66,8 @@ def schedule(books: Core) -> None:
         if len(blocked) == every_space and not books._holding_waiters:
             break  # Nobody further back may be granted or evicted for.
         # One pass over its spaces (usually a single one) gathers what the
-        # decision needs; nothing changes the books before the decision.
+        # decision needs and promises it their bytes, taken back below if it
+        # is refused, held back or not covered after all.
         need = entry.need
         attainable = True  # without waiting on forget()
         behind = False  # one of its spaces is blocked by an earlier waiter
@@ -78,29 +78,28 @@ def schedule(books: Core) -> None:
             space = spaces[name]
             if amount > space.limit - space.quarantined:
                 attainable = False
-                break
             if name in blocked:
                 behind = True
             taken = promised.get(name, 0)
             short = amount - (space.capacity - space.used + space.releasing - taken)
             if short > 0:
                 if shortfall is None:
-                    shortfall = {}
-                shortfall[name] = short
+                    shortfall = {name: short}
+                else:
+                    shortfall[name] = short
                 if space.idle_bytes < short:
                     coverable = False
-            if grantable and (
-                name in unfinished or space.used + granted.get(name, 0) + amount > space.capacity
-            ):
+            # Where no earlier waiter is unfinished, all that this pass promised
+            # was granted (and is not in ``used`` yet): it must fit beside that.
+            if grantable and (name in unfinished or space.used + taken + amount > space.capacity):
                 grantable = False
+            promised[name] = taken + amount
         if not attainable:
             refused.append(entry)
-            continue
-        if behind and not entry.holding:
+        elif behind and not entry.holding:
             blocked.update(need)
-            continue
-        # (``evict``'s own coverage test, first: the usual answer under contention.)
-        if shortfall is not None and not (coverable and evict(books, shortfall)):
+        # (Whether idle entries could cover it, first: the usual answer under contention.)
+        elif shortfall is not None and not (coverable and evict(books, shortfall)):
             heads = (
                 {name: short for name, short in shortfall.items() if name not in blocked}
                 if behind
@@ -109,15 +108,14 @@ def schedule(books: Core) -> None:
             blocked.update(need)
             if heads:
                 drain(books, entry, heads)
-            continue
-        for name, amount in need.items():
-            promised[name] = promised.get(name, 0) + amount
-            if grantable:
-                granted[name] = granted.get(name, 0) + amount
-        if grantable:
+        elif grantable:
             grants.append(entry)
+            continue
         else:
             unfinished.update(need)
+            continue
+        for name, amount in need.items():  # Not promised after all.
+            promised[name] -= amount
     for entry in grants:
         books._grant(entry)
     if refused:
@@ -196,11 +194,12 @@ def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
 
 
 def evict(books: Core, shortfall: dict[str, int], *, partial: bool = False) -> bool:
-    """Start releasing victims that cover ``shortfall``; False if impossible."""
-    spaces = books.spaces
-    coverable = all(spaces[name].idle_bytes >= short for name, short in shortfall.items())
-    if not coverable and not partial:
-        return False
+    """Start releasing victims that cover ``shortfall``; False (releasing none) if they cannot.
+
+    ``partial``: release what the policy offers even if it falls short (``repay``).
+    ``schedule`` asks only when the idle bytes could cover the whole shortfall
+    (``Space.idle_bytes``): otherwise no victims can, and asking would be waste.
+    """
     victims = books.policy.victims(shortfall)
     freed = dict.fromkeys(shortfall, 0)
     for victim in victims:
