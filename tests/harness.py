@@ -1,7 +1,9 @@
 """A synchronous driver for the sans-I/O core, shared by the core's tests.
 
 It performs the core's effects by hand: loads and releases are recorded and
-completed when a test says so (or at once with ``instant=True``).
+completed when a test says so (or at once with ``instant=True``); the other
+kinds (cancelled loads, woken requesters, quarantined entries, emptied
+owners) are recorded for the test to check.
 """
 
 from __future__ import annotations
