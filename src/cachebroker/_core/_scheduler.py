@@ -74,6 +74,7 @@ def schedule(books: Core) -> None:
         shortfall: dict[str, int] | None = None  # short of ``avail``, per space
         coverable = True  # idle entries could cover every shortfall
         grantable = entry.after is None  # fits the free bytes; nobody earlier unfinished
+        opens = False  # one of its spaces has no unfinished waiter yet
         for name, amount in need.items():
             space = spaces[name]
             if amount > space.limit - space.quarantined:
@@ -89,14 +90,18 @@ def schedule(books: Core) -> None:
                     shortfall[name] = short
                 if space.idle_bytes < short:
                     coverable = False
-            # Where no earlier waiter is unfinished, all that this pass promised
-            # was granted (and is not in ``used`` yet): it must fit beside that.
-            if grantable and (name in unfinished or space.used + taken + amount > space.capacity):
+            if name in unfinished:
                 grantable = False
+            else:
+                opens = True
+                # All that this pass promised here was granted (and is not in
+                # ``used`` yet): it must fit beside that.
+                if space.used + taken + amount > space.capacity:
+                    grantable = False
             promised[name] = taken + amount
         if not attainable:
             refused.append(entry)
-        elif behind and not entry.holding:
+        elif behind and not entry.holding:  # held back
             blocked.update(need)
         # (Whether idle entries could cover it, first: the usual answer under contention.)
         elif shortfall is not None and not (coverable and evict(books, shortfall)):
@@ -108,13 +113,14 @@ def schedule(books: Core) -> None:
             blocked.update(need)
             if heads:
                 drain(books, entry, heads)
-        elif grantable:
+        elif grantable:  # promised, and granted at once
             grants.append(entry)
             continue
-        else:
-            unfinished.update(need)
+        else:  # promised, to be granted in a later pass
+            if opens:
+                unfinished.update(need)
             continue
-        for name, amount in need.items():  # Not promised after all.
+        for name, amount in need.items():  # Refused, held back or not covered: not promised.
             promised[name] -= amount
     for entry in grants:
         books._grant(entry)
