@@ -1,15 +1,30 @@
 """A synchronous driver for the sans-I/O core, shared by the core's tests.
 
 It performs the core's effects by hand: loads and releases are recorded and
-completed when a test says so (or at once with ``instant=True``).
+completed when a test says so (or at once with ``instant=True``); the other
+kinds (cancelled loads, woken requesters, quarantined entries, emptied
+owners) are recorded for the test to check.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import Any
+from typing import Any, assert_never
 
-from cachebroker._core import Core, Effect, Entry, Reason, Ticket
+from cachebroker._core import (
+    CancelLoad,
+    Core,
+    Effect,
+    Entry,
+    Owner,
+    OwnerEmpty,
+    Quarantined,
+    Reason,
+    Settled,
+    StartLoad,
+    StartRelease,
+    Ticket,
+)
 from cachebroker._policies import LRU, Policy
 
 
@@ -31,26 +46,44 @@ class Harness:
         self.released: list[tuple[Hashable, Reason]] = []
         self.cancelled: list[Entry] = []
         self.settled: list[Entry] = []
+        self.quarantined: list[Entry] = []
+        self.emptied: list[Owner] = []
 
     def drain(self) -> None:
         core = self.core
         while core.effects:
             effects, core.effects = core.effects, []
-            for kind, subject in effects:
-                if kind is Effect.START_LOAD:
-                    self.loading.append(subject)
-                    if self.instant:
-                        self.finish(subject)
-                elif kind is Effect.START_RELEASE:
-                    entry, reason = subject
-                    self.released.append((entry.key, reason))
-                    self.releasing.append(entry)
-                    if self.instant:
-                        self.ack(entry)
-                elif kind is Effect.CANCEL_LOAD:
-                    self.cancelled.append(subject)
-                elif kind is Effect.SETTLED:
-                    self.settled.append(subject)
+            for effect in effects:
+                self.perform(effect)
+
+    def perform(self, effect: Effect) -> None:
+        """Do what the shell would, or record the effect for the test to act on."""
+        match effect:
+            case StartLoad(entry):
+                self.loading.append(entry)
+                if self.instant:
+                    self.finish(entry)
+            case StartRelease(entry, reason):
+                self.released.append((entry.key, reason))
+                self.releasing.append(entry)
+                if self.instant:
+                    self.ack(entry)
+            case CancelLoad(entry):
+                # The test ends the load (``load_failed(..., cancelled=True)``), as
+                # the cancelled load task would.
+                self.cancelled.append(entry)
+            case Settled(entry):
+                self.settled.append(entry)
+            case Quarantined(entry):
+                # The shell only reports it (a RELEASE_FAILED event); the bytes
+                # stay charged until ``core.forget``.
+                self.quarantined.append(entry)
+            case OwnerEmpty(owner):
+                # The shell lets the owner's ``cache()`` block end; the harness's
+                # owner lives as long as the harness.
+                self.emptied.append(owner)
+            case _:
+                assert_never(effect)
 
     def acquire(self, key: Hashable, size: int | Mapping[str, int] = 0, task: Any = "t") -> Ticket:
         need = dict(size) if isinstance(size, Mapping) else ({"m": size} if size else {})

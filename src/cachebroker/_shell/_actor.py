@@ -48,7 +48,7 @@ class Block:
         self.tg = tg
         #: Set once the block was left: no new request, nobody left to release.
         self.closed = False
-        #: Set when the cache has no live entry left (``Effect.OWNER_EMPTY``).
+        #: Set when the cache has no live entry left (the ``OwnerEmpty`` effect).
         self.empty = anyio.Event()
         #: How long the exit waited for leases and releases (``LeasesOutstanding``).
         self.shut_wait = 0.0

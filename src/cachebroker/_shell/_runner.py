@@ -31,14 +31,27 @@ import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable
 from threading import get_ident
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, assert_never, cast
 
 import anyio
 import anyio.abc
 import anyio.to_thread
 
 from .. import _log_events as ev
-from .._core import Core, Effect, Entry, Owner, Reason, State, Ticket
+from .._core import (
+    CancelLoad,
+    Core,
+    Entry,
+    Owner,
+    OwnerEmpty,
+    Quarantined,
+    Reason,
+    Settled,
+    StartLoad,
+    StartRelease,
+    State,
+    Ticket,
+)
 from .._errors import (
     AcquireTimeout,
     BrokerClosed,
@@ -432,43 +445,46 @@ class Runner:
         core = self.core
         while core.effects:
             effects, core.effects = core.effects, []
-            for kind, subject in effects:
-                if kind is Effect.SETTLED:
-                    slot = subject.shell
-                    slot.done.set()
-                    if subject.joiners:  # one requester was refused alone: the rest wait on
-                        slot.done = anyio.Event()
-                elif kind is Effect.START_LOAD:
-                    self._start_load(subject)
-                elif kind is Effect.START_RELEASE:
-                    self._start_release(*subject)
-                elif kind is Effect.CANCEL_LOAD:
-                    slot = subject.shell
-                    slot.cancelled = True
-                    if slot.scope is not None:
-                        slot.scope.cancel()
-                    if subject.owner.closing:
-                        # Its cache closes: stop waiting for a worker thread, which
-                        # cannot be stopped (see _load_in_thread).
-                        slot.abandoned = True
-                        if slot.thread_wait is not None:
-                            slot.thread_wait.cancel()
-                elif kind is Effect.QUARANTINED:
-                    slot = subject.shell
-                    self.emit(
-                        "error",
-                        ev.RELEASE_FAILED,
-                        cache=subject.owner.name,
-                        key=subject.key,
-                        error=repr(subject.error),
-                        timed_out=slot.timed_out,
-                        seconds=self._since(slot.release_started),
-                        bytes=dict(subject.charge),
-                    )
-                elif kind is Effect.OWNER_EMPTY:
-                    cache = self._caches.get(subject)
-                    if cache is not None:
-                        cache.empty.set()
+            for effect in effects:
+                match effect:
+                    case Settled(entry):
+                        slot = entry.shell
+                        slot.done.set()
+                        if entry.joiners:  # one requester was refused alone: the rest wait on
+                            slot.done = anyio.Event()
+                    case StartLoad(entry):
+                        self._start_load(entry)
+                    case StartRelease(entry, reason):
+                        self._start_release(entry, reason)
+                    case CancelLoad(entry):
+                        slot = entry.shell
+                        slot.cancelled = True
+                        if slot.scope is not None:
+                            slot.scope.cancel()
+                        if entry.owner.closing:
+                            # Its cache closes: stop waiting for a worker thread, which
+                            # cannot be stopped (see _load_in_thread).
+                            slot.abandoned = True
+                            if slot.thread_wait is not None:
+                                slot.thread_wait.cancel()
+                    case Quarantined(entry):
+                        slot = entry.shell
+                        self.emit(
+                            "error",
+                            ev.RELEASE_FAILED,
+                            cache=entry.owner.name,
+                            key=entry.key,
+                            error=repr(entry.error),
+                            timed_out=slot.timed_out,
+                            seconds=self._since(slot.release_started),
+                            bytes=dict(entry.charge),
+                        )
+                    case OwnerEmpty(owner):
+                        cache = self._caches.get(owner)
+                        if cache is not None:
+                            cache.empty.set()
+                    case _:
+                        assert_never(effect)
 
     def _start_load(self, entry: Entry) -> None:
         cache = self._caches[entry.owner]

@@ -17,11 +17,24 @@ import heapq
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 
-from .._core import Core, Effect, Entry, Owner, Reason, State, Ticket
+from .._core import (
+    CancelLoad,
+    Core,
+    Entry,
+    Owner,
+    OwnerEmpty,
+    Quarantined,
+    Reason,
+    Settled,
+    StartLoad,
+    StartRelease,
+    State,
+    Ticket,
+)
 from .._errors import InvalidArgument
 from .._policies import Policy, make_policy
 from ._request import Request, check_fits, where
@@ -120,23 +133,30 @@ def replay(
         nonlocal loaded
         while core.effects:
             effects, core.effects = core.effects, []
-            for kind, subject in effects:
-                if kind is Effect.START_LOAD:
-                    shell = subject.shell
-                    for ticket in shell.tickets:
-                        number, since = arrival.pop(ticket)
-                        waits[number] = now - since
-                    shell.started = True
-                    loaded += sum(subject.charge.values())
-                    push(pending, (now + shell.load_seconds, next(order), subject))
-                elif kind is Effect.START_RELEASE:
-                    core.release_done(subject[0])
-                elif kind is Effect.SETTLED:
-                    for ticket in subject.shell.tickets:
-                        arrival.pop(ticket, None)
-                        if ticket.outcome is True:
-                            end(subject, ticket.task, holds.pop(ticket))
-                    subject.shell.tickets = []
+            for effect in effects:
+                match effect:
+                    case StartLoad(entry):
+                        shell = entry.shell
+                        for ticket in shell.tickets:
+                            number, since = arrival.pop(ticket)
+                            waits[number] = now - since
+                        shell.started = True
+                        loaded += sum(entry.charge.values())
+                        push(pending, (now + shell.load_seconds, next(order), entry))
+                    case StartRelease(entry, _):
+                        core.release_done(entry)
+                    case Settled(entry):
+                        for ticket in entry.shell.tickets:
+                            arrival.pop(ticket, None)
+                            if ticket.outcome is True:
+                                end(entry, ticket.task, holds.pop(ticket))
+                        entry.shell.tickets = []
+                    case CancelLoad() | Quarantined() | OwnerEmpty():
+                        # Never made here: requests are never withdrawn, owners never
+                        # close, and releases are acknowledged at once.
+                        pass
+                    case _:
+                        assert_never(effect)
 
     def end(entry: Entry, task: int, hold: float) -> None:
         if hold:

@@ -1,0 +1,130 @@
+"""Spaces that turn out to be one memory: evidence, merging, and canonical names.
+
+Two spaces may be views of one device (the shell learns it when a load fits
+only after freeing in another space). Once merged, a space name maps to the
+name it was merged into (``Core.canon``), every charge is kept under that
+canonical name, and ``Core.spaces`` maps both names to the one ``Space``.
+
+Functions of the books, like the scheduler's (see ``_scheduler`` for why);
+``Core.note_alias_evidence``, ``Core.merge_spaces`` and ``Core.aliases`` are
+the steps and view that call them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from ._model import State
+from ._scheduler import schedule
+
+if TYPE_CHECKING:
+    from ._books import Core
+
+__all__ = ["aliases", "canonical", "merge_spaces", "note_alias_evidence"]
+
+
+def canonical(canon: Mapping[str, str], charge: dict[str, int]) -> dict[str, int]:
+    """``charge`` under canonical space names (the amounts of merged spaces added up)."""
+    merged: dict[str, int] = {}
+    for name, amount in charge.items():
+        name = canon.get(name, name)
+        merged[name] = merged.get(name, 0) + amount
+    return merged
+
+
+def note_alias_evidence(
+    books: Core, freed: Iterable[str], loaded: Iterable[str], threshold: int
+) -> list[tuple[str, str]]:
+    """A load in ``loaded`` spaces fit only after freeing in ``freed`` spaces.
+
+    Each such observation is evidence that the two are one memory; at
+    ``threshold`` observations the spaces are merged. Returns the pairs
+    merged by this call.
+    """
+    canon = books.canon
+    merged: list[tuple[str, str]] = []
+    for a in {canon.get(n, n) for n in freed}:
+        for b in {canon.get(n, n) for n in loaded}:
+            a, b = canon.get(a, a), canon.get(b, b)
+            if a == b:
+                continue
+            pair = frozenset((a, b))
+            books.alias_evidence[pair] = books.alias_evidence.get(pair, 0) + 1
+            if books.alias_evidence[pair] >= threshold:
+                del books.alias_evidence[pair]
+                books.merge_spaces(b, a)  # (the step: a test build checks the books after it)
+                merged.append((b, a))
+    return merged
+
+
+def merge_spaces(books: Core, keep: str, other: str) -> None:
+    """Treat spaces ``keep`` and ``other`` as one memory from now on.
+
+    The merged space's capacity is the larger of the two budgets; its books
+    are the sum of both; every entry charged in ``other`` is charged in
+    ``keep`` instead, and the policy is told so as if those entries were
+    admitted again (in the order they were last requested). If the merged
+    books exceed the capacity, idle entries are evicted at once.
+    """
+    books._settle()
+    canon = books.canon
+    keep, other = canon.get(keep, keep), canon.get(other, other)
+    if keep == other:
+        return
+    kept, gone = books.spaces[keep], books.spaces[other]
+    entries = sorted(books.entries(), key=lambda e: e.last_request)
+    touched = [e for e in entries if other in e.charge or other in e.need]
+    idle = sorted((e for e in touched if e.idle_seq), key=lambda e: e.idle_seq)
+    for entry in idle:
+        if books._busy is not None:
+            books._busy(entry)
+    admitted = [
+        e for e in touched if e.state in (State.READY, State.RELEASING) and e not in books.orphans
+    ]
+    if books._remove is not None:
+        for entry in admitted:
+            books._remove(entry)
+    for entry in touched:
+        same = entry.charge is entry.need
+        entry.need = _move(entry.need, other, keep)
+        books._set_charge(entry, entry.need if same else _move(entry.charge, other, keep))
+    kept.budget = max(kept.budget, gone.budget)
+    kept.capacity = max(kept.capacity, gone.capacity)
+    kept.limit = max(kept.limit, gone.limit)
+    kept.used += gone.used
+    kept.releasing += gone.releasing
+    kept.idle_bytes += gone.idle_bytes
+    kept.quarantined += gone.quarantined
+    for name, target in list(canon.items()):
+        if target == other:
+            canon[name] = keep
+    canon[other] = keep
+    books.spaces[other] = kept
+    books.canon_names.remove(other)
+    if other in books._overdrawn:
+        books._overdrawn.discard(other)
+    if kept.used > kept.capacity:
+        books._overdrawn.add(keep)
+    if books._admit is not None:
+        for entry in admitted:
+            books._admit(entry)
+    for entry in idle:
+        books.policy.idle(entry)
+    schedule(books)
+
+
+def _move(charge: dict[str, int], other: str, keep: str) -> dict[str, int]:
+    if other not in charge:
+        return charge
+    moved = dict(charge)
+    moved[keep] = moved.get(keep, 0) + moved.pop(other)
+    return moved
+
+
+def aliases(canon: Mapping[str, str]) -> list[tuple[str, ...]]:
+    """The groups of space names known to be one memory (each group sorted)."""
+    groups: dict[str, list[str]] = {}
+    for name, target in canon.items():
+        groups.setdefault(target, [target]).append(name)
+    return sorted(tuple(sorted(group)) for group in groups.values())

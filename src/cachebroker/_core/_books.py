@@ -1,0 +1,1074 @@
+"""``Core``: the books of one broker, and the steps the shell takes on them.
+
+Every public method is one synchronous step (listed in ``STEPS``) or a view;
+a step updates the books, lets the scheduler grant and evict
+(``_scheduler.schedule``), and leaves the work that must happen next in
+``Core.effects``. The underscored methods are the primitives those steps
+share with the scheduler and the alias bookkeeping (``_grant``,
+``_start_release``, ``_doom``, ``_fail_waiting``, ...): each keeps the
+invariants of the package docstring for the entry it touches.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any
+
+from .._errors import (
+    BrokerClosed,
+    DeadlockError,
+    InvalidArgument,
+    OutOfSpace,
+    ReleaseFailed,
+    RequestTooLarge,
+)
+from .._policies import Policy, PolicyBase
+from .._units import format_bytes
+from . import _aliases, _invariants
+from ._aliases import canonical
+from ._effects import CancelLoad, Effect, OwnerEmpty, Quarantined, Settled, StartLoad, StartRelease
+from ._model import (
+    REMEMBERED_SIZES,
+    Entry,
+    Owner,
+    Reason,
+    Space,
+    State,
+    Ticket,
+    _naming,
+    _shrink_if_empty,
+)
+from ._scheduler import refuse_self_waits, schedule
+
+__all__ = ["Core"]
+
+
+def _hook(policy: Policy, name: str) -> Callable[[Entry], None] | None:
+    """``policy.name``, or ``None`` when it is PolicyBase's no-op (so it is not called)."""
+    method = getattr(policy, name, None)
+    if method is None or getattr(type(policy), name, None) is getattr(PolicyBase, name):
+        return None
+    return method  # type: ignore[no-any-return]
+
+
+class Core:
+    """The books of one broker. See the package docstring for the invariants."""
+
+    def __init__(
+        self,
+        budget: Mapping[str, int],
+        policy: Policy,
+        *,
+        idle_ttl: float | None = None,
+        retain: bool | None = None,
+    ) -> None:
+        self.retain = any(amount > 0 for amount in budget.values()) if retain is None else retain
+        self.spaces = {
+            name: Space(name, amount, bounded=self.retain) for name, amount in budget.items()
+        }
+        #: Learned (or given) aliases: a space name -> the name it is merged into.
+        self.canon: dict[str, str] = {}
+        self.canon_names = list(self.spaces)
+        self.alias_evidence: dict[frozenset[str], int] = {}
+        self.policy = policy
+        # Hooks a policy leaves as no-ops are not called at all (LRU's hit path).
+        self._touch = _hook(policy, "touch")
+        self._busy = _hook(policy, "busy")
+        self._admit = _hook(policy, "admit")
+        self._remove = _hook(policy, "remove")
+        #: The request clock: one tick per acquire (hit, join or miss).
+        self.tick = 0
+        self.idle_ttl = idle_ttl
+        self.owners: dict[str, Owner] = {}
+        self.queue: dict[Entry, None] = {}
+        #: Entries with a lease, and settling ones (below): deadlock detection
+        #: looks here for the leases of a task.
+        self.busy: dict[Entry, None] = {}
+        #: Entries whose last lease ended since the books were last settled, in
+        #: that order (a subset of ``busy``): they become idle (policy, idle
+        #: bytes, expiry) in ``_settle``, so a hit and the release that follows
+        #: it cost one dict step each.
+        self._settling: dict[Entry, bool] = {}
+        self.quarantined: dict[Entry, BaseException] = {}
+        #: Loads abandoned by their closing cache while still running (a worker
+        #: thread cannot be stopped): ``releasing`` until the load returns and
+        #: what it made is released (``load_abandoned``).
+        self.orphans: dict[Entry, None] = {}
+        self.effects: list[Effect] = []
+        self._overdrawn: set[str] = set()
+        self._expiry: list[tuple[float, int, Entry]] = []
+        self.idle_count = 0
+        #: Idle entries of unknown size, oldest first (free-and-retry's last resort).
+        self._unsized: dict[Entry, None] = {}
+        self.oom_retries = 0
+        self._seq = itertools.count(1)
+        self.closed = False
+        # Counters for stats().
+        self.misses = 0
+        self.loads = 0
+        self.load_failures = 0
+        self.load_seconds = 0.0
+        self.evictions: dict[Reason, int] = dict.fromkeys(Reason, 0)
+        self.releases_failed = 0
+        #: The measured size of each (cache, key), remembered across evictions:
+        #: what a load sized by measurement reserves next time.
+        self.sizes: dict[tuple[str, Hashable], dict[str, int]] = {}
+        #: Per cache, the largest size measured in each space: what a load of
+        #: unknown size reserves.
+        self._largest: dict[str, dict[str, int]] = {}
+        #: Loads of unknown size waiting for their turn, and the one whose turn it is.
+        self._gate: dict[Entry, None] = {}
+        self._unknown: Entry | None = None
+        #: Queued entries with ``holding`` tickets: they may pass blocked spaces.
+        self._holding_waiters = 0
+        #: The request clock at which a blocked waiter becomes due for
+        #: ``_scheduler.drain``.
+        self._fair_at = math.inf
+
+    @property
+    def hits(self) -> int:
+        """Requests served without a load of their own: hits, and joins of a load in flight."""
+        return self.tick - self.misses
+
+    # ------------------------------------------------------------------ owners
+
+    def open_owner(self, name: str) -> Owner:
+        if self.closed:
+            raise BrokerClosed("the broker is closed")
+        if name in self.owners:
+            raise InvalidArgument(f"a cache named {name!r} is already open on this broker")
+        owner = self.owners[name] = Owner(name)
+        return owner
+
+    def close_owner(self, owner: Owner, error: BaseException) -> None:
+        """Start closing ``owner``: fail its waiters, cancel its loads, release its entries.
+
+        Leased entries are released when their last lease ends. ``OwnerEmpty``
+        is queued once nothing of the owner remains.
+        """
+        owner.closing = True
+        for entry in list(owner.live):
+            if entry.state in (State.WAITING, State.LOADING):
+                self._fail_joiners(entry, _naming(error, entry))
+                if entry.state is State.WAITING:
+                    self._drop_waiting(entry)
+                else:
+                    entry.doomed = Reason.CLOSE
+                    self.effects.append(CancelLoad(entry))
+            elif entry.state is State.READY:
+                self._doom(entry, Reason.CLOSE)
+        self._check_empty(owner)
+        schedule(self)
+
+    def forget_owner(self, owner: Owner) -> None:
+        """Drop ``owner`` from the registry once its block has ended."""
+        if self.owners.get(owner.name) is owner:
+            del self.owners[owner.name]
+
+    # ----------------------------------------------------------------- acquire
+
+    def configure(
+        self, entry: Entry, *, idle_ttl: float | None = None, pin: bool | None = None
+    ) -> None:
+        """Apply an acquire's per-entry settings: the latest request's win."""
+        if idle_ttl is not None:
+            entry.ttl = idle_ttl
+        if pin is not None:
+            entry.pinned = pin
+
+    def unpin(self, owner: Owner, key: Hashable, now: float) -> bool:
+        """Make ``key`` an ordinary entry again; returns whether it was pinned."""
+        entry = owner.entries.get(key)
+        if entry is None or not entry.pinned:
+            return False
+        entry.pinned = False
+        if entry.state is State.READY and not entry.leases:
+            self._rest(entry, now)
+            schedule(self)
+        return True
+
+    def hit(self, entry: Entry, task: object) -> None:
+        """Lease a ready entry to ``task``."""
+        if entry.leases == 0:
+            if entry.idle_seq:  # (a pinned entry never was a candidate)
+                self._unidle(entry)
+                self.busy[entry] = None
+            elif not self._settling.pop(entry, False):  # (a settling one is still busy)
+                self.busy[entry] = None
+        entry.leases += 1
+        entry.holders.append(task)
+        # _count_request, inlined: this is the hit path.
+        tick = self.tick = self.tick + 1
+        entry.requests += 1
+        entry.last_request = tick
+        if self._touch is not None:
+            self._touch(entry)
+
+    def _count_request(self, entry: Entry) -> None:
+        self.tick += 1
+        entry.requests += 1
+        entry.last_request = self.tick
+        if self._touch is not None:
+            self._touch(entry)
+
+    def request(
+        self,
+        owner: Owner,
+        key: Hashable,
+        need: dict[str, int] | None,
+        task: object,
+        *,
+        cost: float | None = None,
+        loading: tuple[Entry, ...] = (),
+    ) -> Ticket:
+        """Ask for ``key`` on behalf of ``task``; returns a ticket to wait on.
+
+        A ready entry is leased at once (``ticket.outcome is True``). Otherwise
+        the ticket joins the entry's load, creating the entry (and queueing it
+        for space) when there is none to join.
+
+        ``need`` is the declared size; ``None`` means "measured after the
+        load": the key's remembered size is reserved, and a key never measured
+        is a load of unknown size. Those run one at a time (the gate), each
+        reserving the largest size its cache has measured in each space, so
+        unknown loads never overshoot the budget together: at most one load's
+        error is on the books at a time, and its measurement corrects them.
+        Only a request from inside a loader, or from a task holding a lease,
+        does not wait for its turn (it reserves nothing): the load whose turn
+        it is may be waiting for that loader's reservation or that lease.
+        ``loading`` names the entries whose loader makes this request.
+
+        Raises:
+            RequestTooLarge: ``need`` exceeds a space's whole budget.
+            OutOfSpace: ``need`` fits the budget only once quarantined
+                entries are written off (``forget``).
+            DeadlockError: only evicting ``task``'s own leases (or writing
+                off quarantined entries) could make room, or the request waits
+                for a load that waits for it.
+            BrokerClosed: the owner is closing.
+        """
+        if owner.closing:
+            raise BrokerClosed(
+                f"cache {owner.name!r} is closed: cannot acquire {owner.name}:{key!r}"
+            )
+        entry = owner.entries.get(key)
+        if entry is not None and entry.state is State.RELEASING:
+            entry = entry.successor
+        if entry is not None and entry.state is State.READY:
+            self.hit(entry, task)
+            ticket = Ticket(entry, task)
+            ticket.outcome = True
+            return ticket
+        if entry is None:
+            unknown = need is None
+            if need is None:
+                remembered = self.sizes.get((owner.name, key))
+                unknown = remembered is None
+                need = {} if remembered is None else dict(remembered)
+            if self.canon:
+                need = canonical(self.canon, need)
+            self._check_fit(owner, key, need)
+            mine = self._leased_by(task, need, queued=bool(self.queue))
+            self._check_deadlock(owner, key, need, mine)
+            urgent = unknown and (bool(loading) or self._holds_any(task))
+            entry = self._create(owner, key, need, unknown=unknown, urgent=urgent)
+            entry.declared_cost = cost
+            self._count_request(entry)
+        else:
+            self._check_cycle(owner, key, entry, loading)
+            if entry.gated and (loading or self._holds_any(task)):
+                self._hurry(entry)
+            waiting = entry.state is State.WAITING
+            mine = self._leased_by(task, entry.need, queued=len(self.queue) > 1) if waiting else []
+            self._check_deadlock(owner, key, entry.need, mine)
+            self._count_request(entry)
+        ticket = Ticket(entry, task, loading)
+        entry.joiners.append(ticket)
+        if loading:
+            for outer in loading:
+                outer.nested = [t for t in outer.nested if t.outcome is None]
+                outer.nested.append(ticket)
+        if entry.state is State.WAITING and (
+            mine or any(not outer.need.keys().isdisjoint(entry.need) for outer in loading)
+        ):
+            ticket.holds = True
+            entry.holding += 1
+            if entry.holding == 1 and not entry.gated:
+                self._holding_waiters += 1
+        schedule(self)
+        return ticket
+
+    def leave(self, ticket: Ticket) -> None:
+        """Withdraw a pending ticket (its task was cancelled or timed out).
+
+        The last requester leaving a queued entry removes it; leaving a loading
+        entry cancels its load. A ticket already granted is left as it is: its
+        lease must be ended with ``lease_end``.
+        """
+        if ticket.outcome is not None:
+            return
+        ticket.outcome = BrokerClosed("request withdrawn")
+        entry = ticket.entry
+        entry.joiners.remove(ticket)
+        if ticket.holds:
+            entry.holding -= 1
+            if not entry.holding and entry in self.queue:
+                self._holding_waiters -= 1
+        if entry.joiners:
+            return
+        if entry.state is State.WAITING:
+            self._drop_waiting(entry)
+            self._check_empty(entry.owner)
+            schedule(self)
+        elif entry.state is State.LOADING:
+            # A cancelled load gives up its key: a request arriving before the
+            # load task notices must start afresh, not inherit the cancellation.
+            self._detach(entry)
+            self.effects.append(CancelLoad(entry))
+
+    def _create(
+        self,
+        owner: Owner,
+        key: Hashable,
+        need: dict[str, int],
+        *,
+        unknown: bool = False,
+        urgent: bool = False,
+    ) -> Entry:
+        entry = Entry(owner, key, need)
+        current = owner.entries.get(key)
+        if current is not None and current.state is State.RELEASING:
+            entry.after = current
+            current.successor = entry
+        else:
+            owner.entries[key] = entry
+        owner.live.add(entry)
+        self.misses += 1
+        if not unknown:
+            self._enqueue(entry)
+            return entry
+        entry.unknown = True
+        if urgent:
+            self._enqueue(entry)
+        elif self._unknown is None:
+            self._unknown = entry
+            self._pass_gate(entry)
+        else:
+            entry.gated = True
+            self._gate[entry] = None
+        return entry
+
+    def _enqueue(self, entry: Entry) -> None:
+        entry.queued_tick = self.tick
+        self.queue[entry] = None
+        self._admit_weightless(entry)
+
+    def _admit_weightless(self, entry: Entry) -> None:
+        """Grant an entry that weighs nothing as soon as no predecessor holds it back.
+
+        It competes for no space, so it needs no place in the queue's order
+        (and the scheduler may stop walking the queue before reaching it).
+        """
+        if (
+            not entry.need
+            and entry.after is None
+            and entry.state is State.WAITING
+            and not entry.gated
+        ):
+            self._grant(entry)
+
+    # ------------------------------- refusal and deadlock detection, on asking
+
+    def _check_fit(self, owner: Owner, key: Hashable, need: Mapping[str, int]) -> None:
+        for name, amount in need.items():
+            error = self._shortage(owner, key, name, amount)
+            if error is not None:
+                raise error
+
+    def _shortage(self, owner: Owner, key: Hashable, name: str, amount: int) -> OutOfSpace | None:
+        """The error for ``amount`` bytes in space ``name`` if they can never be granted."""
+        space = self.spaces[name]
+        if amount > space.limit:
+            return RequestTooLarge(name, amount, space.limit, entry=f"{owner.name}:{key!r}")
+        if amount > space.attainable:
+            shown = [f"{e.owner.name}:{e.key!r}" for e in self.quarantined if name in e.charge][:5]
+            return OutOfSpace(
+                f"{owner.name}:{key!r} needs {format_bytes(amount)} in space {name!r}, but "
+                f"{format_bytes(space.quarantined)} of its {format_bytes(space.limit)} are "
+                f"held by quarantined entries ({', '.join(shown)}): their releases failed, "
+                "so only broker.forget(cache, key) can return that memory"
+            )
+        return None
+
+    def _holds_any(self, task: object) -> bool:
+        """Whether ``task`` holds a lease (on anything)."""
+        return any(task in entry.holders for entry in self.busy)
+
+    def _leased_by(self, task: object, need: Mapping[str, int], *, queued: bool) -> list[Entry]:
+        """The entries ``task`` holds leases on in the spaces of ``need``.
+
+        Only wanted when the request may wait: it does not fit now (deadlock
+        detection), or others are queued ahead of it (it may have to pass them).
+        """
+        if not self.busy or not need:
+            return []
+        if not queued and all(self.spaces[s].fits(n) for s, n in need.items()):
+            return []
+        return [
+            entry
+            for entry in self.busy
+            if task in entry.holders and not entry.charge.keys().isdisjoint(need)
+        ]
+
+    def _check_deadlock(
+        self, owner: Owner, key: Hashable, need: Mapping[str, int], mine: list[Entry]
+    ) -> None:
+        if not mine or all(self.spaces[s].fits(n) for s, n in need.items()):
+            return
+        error = self._waits_on_itself(owner, key, need, mine, now=True)
+        if error is not None:
+            raise error
+
+    def _waits_on_itself(
+        self,
+        owner: Owner,
+        key: Hashable,
+        need: Mapping[str, int],
+        mine: list[Entry],
+        *,
+        now: bool,
+    ) -> DeadlockError | None:
+        """The error for a request that only ``mine`` (its task's leases) or ``forget()`` can serve.
+
+        Quarantined bytes come back only through ``forget()``, so they are no
+        room either. ``now``: against the spaces' current capacity (on
+        asking); else against the most they can ever hold, so that a probed
+        space shrunk for a while by other processes refuses nobody waiting.
+        """
+        for name, amount in need.items():
+            pinned = [e for e in mine if name in e.charge]
+            if not pinned:
+                continue
+            space = self.spaces[name]
+            room = (space.capacity if now else space.limit) - space.quarantined
+            if amount > room - sum(e.charge[name] for e in pinned):
+                shown = [(e.owner.name, e.key) for e in pinned]
+                written_off = (
+                    f" (or by writing off the {format_bytes(space.quarantined)} of quarantined "
+                    "entries with broker.forget())"
+                    if space.quarantined
+                    else ""
+                )
+                return DeadlockError(
+                    f"acquiring {owner.name}:{key!r} needs {format_bytes(amount)} in space "
+                    f"{name!r}, which can only be freed by evicting entries leased by "
+                    f"the requesting task itself: {', '.join(f'{c}:{k!r}' for c, k in shown)}"
+                    f"{written_off}; release them first",
+                    shown,
+                )
+        return None
+
+    def _check_cycle(
+        self, owner: Owner, key: Hashable, entry: Entry, loading: tuple[Entry, ...]
+    ) -> None:
+        """Refuse to join a load that (through loaders' own requests) waits for the requester."""
+        if not loading:
+            return
+        stack, seen = [entry], set()
+        while stack:
+            current = stack.pop()
+            if current in loading:
+                shown = [(e.owner.name, e.key) for e in loading]
+                raise DeadlockError(
+                    f"acquiring {owner.name}:{key!r} from inside the loader of "
+                    f"{', '.join(f'{c}:{k!r}' for c, k in shown)} would wait for that very "
+                    "load; a loader must not acquire its own key (directly or through "
+                    "the loads it waits for)",
+                    shown,
+                )
+            if current in seen:
+                continue
+            seen.add(current)
+            stack.extend(t.entry for t in current.nested if t.outcome is None)
+
+    # ----------------------------------------- loads of unknown size: the gate
+
+    def _hurry(self, entry: Entry) -> None:
+        """Take a load of unknown size out of the gate's line: load it now, reserving nothing.
+
+        For a request from inside a loader or from a task holding a lease: the
+        load whose turn it is may be waiting for that loader's reservation or
+        that lease, so waiting for the gate could be a deadlock. Its
+        measurement corrects the books (and evicts) as soon as it is loaded.
+        """
+        del self._gate[entry]
+        _shrink_if_empty(self._gate)
+        entry.gated = False
+        self._enqueue(entry)
+
+    def _pass_gate(self, entry: Entry) -> None:
+        """Queue a load of unknown size, reserving the largest size its cache has measured."""
+        entry.gated = False
+        largest = self._largest.get(entry.owner.name)
+        if largest:
+            estimate = canonical(self.canon, largest) if self.canon else largest
+            # An estimate is never a reason to refuse: keep it within reach.
+            entry.need = {
+                name: min(amount, self.spaces[name].attainable)
+                for name, amount in estimate.items()
+                if min(amount, self.spaces[name].attainable) > 0
+            }
+        if entry.holding:
+            self._holding_waiters += 1
+        self._enqueue(entry)
+
+    def _open_gate(self, entry: Entry) -> bool:
+        """``entry``'s load of unknown size is over: let the next one through, if any."""
+        if entry is not self._unknown:
+            return False
+        self._unknown = None
+        if not self._gate:
+            return False
+        following = next(iter(self._gate))
+        del self._gate[following]
+        _shrink_if_empty(self._gate)
+        self._unknown = following
+        self._pass_gate(following)
+        return True
+
+    def remember(self, cache: str, key: Hashable, charge: Mapping[str, int]) -> None:
+        """Remember the measured size of ``key`` in ``cache`` (space names as given)."""
+        sizes = self.sizes
+        sizes.pop((cache, key), None)
+        if len(sizes) >= REMEMBERED_SIZES:
+            del sizes[next(iter(sizes))]
+        sizes[cache, key] = dict(charge)
+        largest = self._largest.setdefault(cache, {})
+        for name, amount in charge.items():
+            if amount > largest.get(name, 0):
+                largest[name] = amount
+
+    # ------------------------------------------------------------------- loads
+
+    def load_done(
+        self,
+        entry: Entry,
+        value: Any,
+        measured: dict[str, int] | None,
+        seconds: float,
+        now: float,
+        *,
+        error: BaseException | None = None,
+    ) -> None:
+        """Record a finished load; grant a lease to every joined ticket.
+
+        With ``error`` (the measured size could not be taken), or when the
+        measured size exceeds a space's whole budget, the joiners get the error
+        instead and the loaded value is released through its owner at once.
+        """
+        entry.value = value
+        entry.state = State.READY
+        entry.cost = seconds if entry.declared_cost is None else entry.declared_cost
+        entry.nested = []
+        self.loads += 1
+        self.load_seconds += seconds
+        recharged = False
+        if measured is not None:
+            self.remember(entry.owner.name, entry.key, measured)
+            if measured != entry.charge:
+                self._recharge(entry, measured)
+                recharged = True
+        if self._open_gate(entry):
+            recharged = True  # A load of unknown size was let through: schedule it.
+        if self._admit is not None:
+            self._admit(entry)  # with its measured charge: policies index entries by space
+        rejected = error if error is not None else self._oversize(entry)
+        owner = entry.owner
+        if entry.doomed is None and owner.entries.get(entry.key) is not entry:
+            # Its requesters all left, yet it finished (a thread cannot be
+            # stopped): keep it if its key is free, else it is superfluous.
+            if entry.key in owner.entries:
+                entry.doomed = Reason.ABANDONED
+            else:
+                owner.entries[entry.key] = entry
+        if rejected is not None:
+            self._fail_joiners(entry, rejected)
+        for ticket in entry.joiners:
+            ticket.outcome = True
+            entry.holders.append(ticket.task)
+        entry.leases = len(entry.joiners)
+        entry.joiners = []
+        self.effects.append(Settled(entry))
+        if rejected is not None:
+            self._start_release(entry, Reason.REJECTED)
+        elif entry.leases:
+            self.busy[entry] = None
+            if not recharged:
+                return  # Nothing the queue waits on changed: scheduling would do nothing.
+        else:
+            self._rest(entry, now)
+        schedule(self)
+
+    def load_abandoned(self, entry: Entry) -> None:
+        """The closing cache stops waiting for a load that cannot be stopped (a worker thread).
+
+        The load may still make its value, so its bytes stay charged: the entry
+        is ``releasing`` from now on, its release being the load's end (the
+        value released through the owner, or nothing to free if the load
+        fails). It leaves its key and its owner's live entries, so the owner's
+        close is not held, and is listed in ``orphans`` until ``release_done``
+        or ``release_failed``. Requesters still joined get ``BrokerClosed``.
+        """
+        if entry.state is not State.LOADING:
+            return
+        owner = entry.owner
+        if entry.joiners:
+            closed = f"cache {owner.name!r} was closed while acquiring {owner.name}:{entry.key!r}"
+            self._fail_joiners(entry, BrokerClosed(closed))
+        self._detach(entry)
+        entry.state = State.RELEASING
+        for name, amount in entry.charge.items():
+            self.spaces[name].releasing += amount
+        self.evictions[Reason.CLOSE] += 1
+        owner.live.discard(entry)
+        _shrink_if_empty(owner.live)
+        self.orphans[entry] = None
+        entry.nested = []
+        self._open_gate(entry)
+        self._check_empty(owner)
+        schedule(self)
+
+    def load_failed(self, entry: Entry, error: BaseException, *, cancelled: bool = False) -> None:
+        """Record a failed or cancelled load: return its reservation, fail its joiners."""
+        if not cancelled:
+            self.load_failures += 1
+        entry.nested = []
+        self._fail_joiners(entry, error)
+        self._discharge(entry)
+        self._detach(entry)
+        self._gone(entry)
+        self._open_gate(entry)
+        schedule(self)
+
+    def _set_charge(self, entry: Entry, charge: dict[str, int]) -> None:
+        entry.charge = charge
+        entry.weights = tuple((self.spaces[name], amount) for name, amount in charge.items())
+
+    def _recharge(self, entry: Entry, measured: dict[str, int]) -> None:
+        if self.canon:
+            measured = canonical(self.canon, measured)
+        for name, amount in entry.charge.items():
+            self.spaces[name].used -= amount
+        self._set_charge(entry, measured)
+        for name, amount in measured.items():
+            space = self.spaces[name]
+            space.used += amount
+            if space.used > space.capacity:
+                self._overdrawn.add(name)
+
+    def _oversize(self, entry: Entry) -> OutOfSpace | None:
+        for name, amount in entry.charge.items():
+            error = self._shortage(entry.owner, entry.key, name, amount)
+            if error is not None:
+                return error
+        return None
+
+    def set_capacity(self, name: str, capacity: int, limit: int | None = None) -> None:
+        """A probed space's capacity changed (the device's free memory moved).
+
+        Shrinking below what is charged evicts idle entries at once; growing
+        may grant waiting requests.
+        """
+        name = self.canon.get(name, name)
+        space = self.spaces[name]
+        space.budget = space.capacity = max(0, capacity)
+        if limit is not None:
+            space.limit = max(0, limit)
+        if space.used > space.capacity:
+            self._overdrawn.add(name)
+        schedule(self)
+
+    # ------------------------------------------------------------------ leases
+
+    def lease_end(self, entry: Entry, task: object, now: float) -> None:
+        """End one lease of ``task`` on ``entry``."""
+        entry.leases -= 1
+        holders = entry.holders
+        try:
+            holders.remove(task)
+        except ValueError:  # The lease was handed to another task: forget one of the holders.
+            holders.pop()
+        if entry.leases == 0:
+            if entry.state is not State.READY:
+                # Its cache closed while it was leased: quarantined (or written
+                # off since). Nobody can release it; let the value go.
+                entry.value = None
+                return
+            if (
+                self.queue
+                or self._overdrawn
+                or entry.doomed
+                or entry.pinned
+                or entry.ttl == 0
+                or not self.retain
+            ):
+                del self.busy[entry]
+                self._rest(entry, now)
+                schedule(self)
+            else:  # Nobody waits: let it become idle when the books are next read.
+                entry.idle_since = now
+                self._settling[entry] = True
+        elif self.tick >= self._fair_at:  # Still leased, but a waiter has waited long enough.
+            schedule(self)
+
+    def _settle(self) -> None:
+        """Make the entries whose last lease ended idle, in the order their leases ended."""
+        settling = self._settling
+        if settling:
+            self._settling = {}
+            busy = self.busy
+            for entry in settling:
+                del busy[entry]
+                self._rest(entry, entry.idle_since)
+
+    def _rest(self, entry: Entry, now: float) -> None:
+        """An entry with no lease: keep it as an eviction candidate, or release it."""
+        if entry.doomed is not None:
+            self._start_release(entry, entry.doomed)
+            return
+        if entry.owner.closing or not self.retain:
+            self._start_release(entry, Reason.CLOSE if self.retain else Reason.UNRETAINED)
+            return
+        entry.idle_since = now
+        if entry.pinned:
+            return  # Resident regardless of policy and idle time.
+        ttl = self.idle_ttl if entry.ttl is None else entry.ttl
+        if ttl == 0:
+            self._start_release(entry, Reason.IDLE)
+            return
+        entry.idle_seq = next(self._seq)
+        weights = entry.weights
+        if weights:
+            for space, amount in weights:
+                space.idle_bytes += amount
+        else:
+            self._unsized[entry] = None
+        self.policy.idle(entry)
+        self.idle_count += 1
+        if ttl is not None and ttl != math.inf:
+            heap = self._expiry
+            heapq.heappush(heap, (now + ttl, entry.idle_seq, entry))
+            if len(heap) > 2 * self.idle_count + 64:
+                # Leased-again and released entries leave stale items behind
+                # (lazy deletion); drop them before they outnumber the live ones.
+                heap[:] = [item for item in heap if item[2].idle_seq == item[1]]
+                heapq.heapify(heap)
+
+    def _unidle(self, entry: Entry) -> None:
+        weights = entry.weights
+        if weights:
+            for space, amount in weights:
+                space.idle_bytes -= amount
+        else:
+            self._unsized.pop(entry, None)
+        if self._busy is not None:
+            self._busy(entry)
+        entry.idle_seq = 0
+        self.idle_count -= 1
+        if not self.idle_count and self._expiry:
+            self._expiry.clear()  # every item is stale: let their entries go
+
+    # ---------------------------------------------------------------- releases
+
+    def _start_release(self, entry: Entry, reason: Reason) -> None:
+        if entry.idle_seq:
+            self._unidle(entry)
+        elif self._settling.pop(entry, False):
+            del self.busy[entry]
+        entry.state = State.RELEASING
+        for name, amount in entry.charge.items():
+            self.spaces[name].releasing += amount
+        self.evictions[reason] += 1
+        self.effects.append(StartRelease(entry, reason))
+
+    def free_for_retry(self, entry: Entry) -> list[Entry]:
+        """A load ran out of memory: start releasing the next victim; return it.
+
+        The next idle victim in policy order in the load's spaces; failing
+        that, in any other space; failing that, the oldest idle entry of
+        unknown size. Returns ``[]`` when nothing is left to free.
+        """
+        self._settle()
+        own = list(entry.charge)
+        others = [name for name in self.canon_names if name not in own]
+        victims: list[Entry] = []
+        for spaces in (own, others):
+            if spaces and not victims:
+                chosen = self.policy.victims(dict.fromkeys(spaces, 1))
+                victims = [v for v in chosen if isinstance(v, Entry) and v.idle]
+        if not victims and self._unsized:
+            victims = [next(iter(self._unsized))]
+        for victim in victims:
+            self._start_release(victim, Reason.RETRY)
+        if victims:
+            self.oom_retries += 1
+        return victims
+
+    def release_done(self, entry: Entry) -> None:
+        """The owner acknowledged the release ("freed"): the bytes come back.
+
+        Also accepted for a quarantined entry whose late acknowledgement arrived.
+        """
+        if entry.state is State.RELEASING:
+            for name, amount in entry.charge.items():
+                self.spaces[name].releasing -= amount
+            self._discharge(entry)
+            self._unorphan(entry)
+        elif entry.state is State.QUARANTINED:
+            self._unquarantine(entry)
+        else:
+            return
+        self._hand_over(entry)
+        self._gone(entry)
+        schedule(self)
+
+    def release_failed(self, entry: Entry, error: BaseException) -> None:
+        """The release raised or timed out: the bytes stay charged, the entry is quarantined."""
+        if entry.state is not State.RELEASING:
+            return
+        for name, amount in entry.charge.items():
+            self.spaces[name].releasing -= amount
+        self._unorphan(entry)
+        self.releases_failed += 1
+        self._hand_over(entry)
+        self._gone(entry)
+        self._quarantine(entry, error)
+        schedule(self)
+
+    def _quarantine(self, entry: Entry, error: BaseException) -> None:
+        """Keep a gone entry's bytes charged: nobody knows whether its memory came back."""
+        entry.error = error
+        entry.state = State.QUARANTINED
+        self.quarantined[entry] = error
+        for space, amount in entry.weights:
+            space.quarantined += amount
+        self.effects.append(Quarantined(entry))
+        if self._holding_waiters:  # less room for good: a holder may now wait on itself
+            refuse_self_waits(self)
+
+    def _unquarantine(self, entry: Entry) -> None:
+        del self.quarantined[entry]
+        _shrink_if_empty(self.quarantined)
+        for space, amount in entry.weights:
+            space.quarantined -= amount
+        self._discharge(entry)
+
+    def abandon(self, owner: Owner) -> list[Entry]:
+        """The owner's block ended with entries still leased: quarantine them; return them.
+
+        Nobody is left to release them, so their bytes stay charged until
+        ``forget``; their holders keep the values until their leases end.
+        """
+        abandoned = [entry for entry in owner.live if entry.leases]
+        for entry in abandoned:
+            del self.busy[entry]
+            self._detach(entry)
+            self._gone(entry)
+            self._quarantine(
+                entry,
+                ReleaseFailed(
+                    f"cache {owner.name!r} was closed while {owner.name}:{entry.key!r} was "
+                    "still leased: nobody is left to release it"
+                ),
+            )
+        if abandoned:
+            schedule(self)
+        return abandoned
+
+    def _unorphan(self, entry: Entry) -> None:
+        if entry in self.orphans:
+            del self.orphans[entry]
+            _shrink_if_empty(self.orphans)
+
+    def forget(self, entry: Entry) -> None:
+        """Write off a quarantined entry: the operator says its memory is free."""
+        if entry.state is State.QUARANTINED:
+            self._unquarantine(entry)
+            entry.state = State.GONE
+            schedule(self)
+
+    def _hand_over(self, entry: Entry) -> None:
+        """A finished release lets the key's successor (if any) take the slot."""
+        owner = entry.owner
+        if owner.entries.get(entry.key) is entry:
+            successor = entry.successor
+            if successor is None:
+                del owner.entries[entry.key]
+                _shrink_if_empty(owner.entries)
+            else:
+                owner.entries[entry.key] = successor
+                successor.after = None
+                self._admit_weightless(successor)
+        entry.successor = None
+
+    # ------------------------------------------------------ invalidate / sweep
+
+    def invalidate(self, owner: Owner, key: Hashable) -> bool:
+        """Drop ``key``'s value: released now if idle, else when its last lease ends.
+
+        Returns whether there was a loaded (or loading) value to drop.
+        """
+        entry = owner.entries.get(key)
+        if entry is None or entry.state not in (State.READY, State.LOADING):
+            return False
+        if entry.state is State.LOADING:
+            self._detach(entry)
+            entry.doomed = Reason.INVALIDATE
+        else:
+            self._doom(entry, Reason.INVALIDATE)
+        schedule(self)
+        return True
+
+    def sweep(self, now: float) -> list[Entry]:
+        """Release every entry idle for at least the idle TTL; return them."""
+        self._settle()
+        expired: list[Entry] = []
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, seq, entry = heapq.heappop(heap)
+            if entry.idle_seq == seq and entry.state is State.READY:
+                self._start_release(entry, Reason.IDLE)
+                expired.append(entry)
+        if expired:
+            schedule(self)
+        return expired
+
+    def next_expiry(self) -> float | None:
+        """When the next idle entry expires, or ``None`` when none can."""
+        self._settle()
+        heap = self._expiry
+        while heap and (heap[0][2].idle_seq != heap[0][1] or heap[0][2].state is not State.READY):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def clear(self) -> int:
+        """Release every ready entry (leased ones when their last lease ends)."""
+        count = 0
+        for owner in list(self.owners.values()):
+            for entry in list(owner.entries.values()):
+                if entry.state is State.READY:
+                    self._doom(entry, Reason.CLEAR)
+                    count += 1
+        schedule(self)
+        return count
+
+    def _doom(self, entry: Entry, reason: Reason) -> None:
+        """Release ``entry`` now, or, while leased, when its last lease ends.
+
+        An idle entry keeps its key's slot while releasing, so a new acquire
+        waits for the release before loading afresh. A leased one gives the
+        slot up at once: new acquires must not wait on other tasks' leases.
+        """
+        if entry.leases:
+            self._detach(entry)
+            entry.doomed = reason
+        else:
+            self._start_release(entry, reason)
+
+    # ----------------------------------------------------------------- aliases
+
+    def note_alias_evidence(
+        self, freed: Iterable[str], loaded: Iterable[str], threshold: int
+    ) -> list[tuple[str, str]]:
+        """A load in ``loaded`` spaces fit only after freeing in ``freed`` spaces (``_aliases``)."""
+        return _aliases.note_alias_evidence(self, freed, loaded, threshold)
+
+    def merge_spaces(self, keep: str, other: str) -> None:
+        """Treat spaces ``keep`` and ``other`` as one memory from now on (``_aliases``)."""
+        _aliases.merge_spaces(self, keep, other)
+
+    def aliases(self) -> list[tuple[str, ...]]:
+        """The groups of space names known to be one memory (each group sorted)."""
+        return _aliases.aliases(self.canon)
+
+    # ----------------------------------------------------- grants and removals
+
+    def _grant(self, entry: Entry) -> None:
+        """Reserve a queued entry's bytes and start its load."""
+        del self.queue[entry]
+        _shrink_if_empty(self.queue)
+        if entry.holding:
+            self._holding_waiters -= 1
+        entry.state = State.LOADING
+        self._set_charge(entry, entry.need)
+        for name, amount in entry.need.items():
+            self.spaces[name].used += amount
+        self.effects.append(StartLoad(entry))
+
+    def _fail_joiners(self, entry: Entry, error: BaseException) -> None:
+        for ticket in entry.joiners:
+            ticket.outcome = error
+        entry.joiners = []
+        self.effects.append(Settled(entry))
+
+    def _fail_waiting(self, entry: Entry, error: BaseException) -> None:
+        """Fail every requester of a waiting entry with ``error`` and drop the entry."""
+        self._fail_joiners(entry, error)
+        self._drop_waiting(entry)
+        self._check_empty(entry.owner)
+
+    def _drop_waiting(self, entry: Entry) -> None:
+        if entry.gated:
+            del self._gate[entry]
+            _shrink_if_empty(self._gate)
+        else:
+            del self.queue[entry]
+            _shrink_if_empty(self.queue)
+            if entry.holding:
+                self._holding_waiters -= 1
+        self._open_gate(entry)
+        if entry.after is not None:
+            entry.after.successor = None
+            entry.after = None
+        else:
+            self._detach(entry)
+        self._gone(entry)
+
+    def _detach(self, entry: Entry) -> None:
+        owner = entry.owner
+        if owner.entries.get(entry.key) is entry:
+            del owner.entries[entry.key]
+            _shrink_if_empty(owner.entries)
+
+    def _discharge(self, entry: Entry) -> None:
+        for name, amount in entry.charge.items():
+            self.spaces[name].used -= amount
+
+    def _gone(self, entry: Entry) -> None:
+        if self._remove is not None and entry.state is not State.WAITING:
+            self._remove(entry)
+        entry.state = State.GONE
+        owner = entry.owner
+        owner.live.discard(entry)
+        _shrink_if_empty(owner.live)
+        self._check_empty(owner)
+
+    def _check_empty(self, owner: Owner) -> None:
+        if owner.closing and not owner.live:
+            self.effects.append(OwnerEmpty(owner))
+
+    # ------------------------------------------------------------------- views
+
+    def entries(self) -> Iterable[Entry]:
+        """Every entry known to the books, abandoned loads and quarantined ones included."""
+        for owner in self.owners.values():
+            yield from owner.live
+        yield from self.orphans
+        yield from self.quarantined
+
+    def check(self) -> None:
+        """Assert the invariants of the package docstring (for tests and debugging)."""
+        _invariants.check(self)

@@ -1,0 +1,130 @@
+"""What must hold after every step (``check``), and the test build that checks it.
+
+``check`` asserts the invariants listed in the package docstring by recounting
+the books from the entries; ``check_after_every_step`` wraps each of the
+steps in ``STEPS`` so that a test, the fault-injection machine or the soak
+runs it after every step the shell takes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._model import State
+
+if TYPE_CHECKING:
+    from ._books import Core
+
+__all__ = ["STEPS", "check", "check_after_every_step"]
+
+
+def check(books: Core) -> None:
+    """Assert the invariants of the package docstring (for tests and debugging)."""
+    used = dict.fromkeys(books.spaces, 0)
+    releasing = dict.fromkeys(books.spaces, 0)
+    idle = dict.fromkeys(books.spaces, 0)
+    quarantined = dict.fromkeys(books.spaces, 0)
+    for entry in books.entries():
+        assert entry.state is not State.GONE, entry
+        for name, amount in entry.charge.items():
+            if entry.state is not State.WAITING:
+                used[name] += amount
+            if entry.state is State.RELEASING:
+                releasing[name] += amount
+            if entry.state is State.QUARANTINED:
+                quarantined[name] += amount
+            if entry.idle_seq:
+                idle[name] += amount
+        assert [(s.name, n) for s, n in entry.weights] == [
+            (books.spaces[name].name, n) for name, n in entry.charge.items()
+        ], entry
+        if entry in books.orphans:
+            assert entry.state is State.RELEASING, entry
+            assert entry not in entry.owner.live, entry
+        if entry.state is State.WAITING:
+            assert (entry in books.queue) is not entry.gated, entry
+            assert not entry.gated or (entry in books._gate and not entry.need), entry
+            assert not entry.charge, entry
+            assert entry.joiners, f"{entry!r} waits for space on behalf of nobody"
+            assert entry.holding == sum(t.holds for t in entry.joiners), entry
+        if entry.state is State.READY and not entry.leases and entry.doomed is None:
+            # Exactly one of: a candidate, pinned, or idle once the books settle.
+            states = (bool(entry.idle_seq), entry.pinned, entry in books._settling)
+            assert sum(states) == 1, (entry, states)
+        elif entry in books._settling:
+            raise AssertionError(f"{entry!r} is settling but not an idle-to-be entry")
+        if entry.leases:
+            assert entry.state in (State.READY, State.QUARANTINED), entry
+            assert not entry.idle_seq, entry
+            assert len(entry.holders) == entry.leases, entry
+            assert (entry in books.busy) is (entry.state is State.READY), entry
+    assert books.idle_count == sum(1 for e in books.entries() if e.idle_seq), books.idle_count
+    for entry in books.busy:
+        assert entry.leases or entry in books._settling, entry
+    assert books._holding_waiters == sum(1 for e in books.queue if e.holding)
+    assert all(entry.gated for entry in books._gate)
+    if books._unknown is not None:
+        assert books._unknown.state in (State.WAITING, State.LOADING), books._unknown
+        assert not books._unknown.gated, books._unknown
+    else:
+        assert not books._gate, "loads of unknown size wait, yet none is running"
+    for name in books.canon_names:
+        space = books.spaces[name]
+        assert space.used == used[name], (name, space.used, used[name])
+        assert space.releasing == releasing[name], (name, space.releasing, releasing[name])
+        assert space.idle_bytes == idle[name], (name, space.idle_bytes, idle[name])
+        assert space.quarantined == quarantined[name], (name, space.quarantined)
+        if name not in books._overdrawn:
+            assert space.used <= space.capacity, (name, space.used, space.capacity)
+
+
+#: Every step the shell takes on the books: what ``check_after_every_step`` wraps.
+STEPS = (
+    "abandon",
+    "clear",
+    "close_owner",
+    "configure",
+    "forget",
+    "forget_owner",
+    "free_for_retry",
+    "hit",
+    "invalidate",
+    "leave",
+    "lease_end",
+    "load_abandoned",
+    "load_done",
+    "load_failed",
+    "merge_spaces",
+    "note_alias_evidence",
+    "open_owner",
+    "release_done",
+    "release_failed",
+    "request",
+    "set_capacity",
+    "sweep",
+    "unpin",
+)
+
+
+def check_after_every_step(core: Core, failures: list[str], count: list[int] | None = None) -> None:
+    """The test build: run ``core.check()`` after each of ``core``'s steps.
+
+    A failed check is recorded in ``failures``, not raised: raised inside a
+    load or release task, the assertion would pass for the plugin's fault and
+    change what the broker does. ``count[0]``, if given, counts the checks.
+    """
+    for name in STEPS:
+        step = getattr(core, name)
+
+        def checked(*args: Any, _step: Any = step, _name: str = name, **kwargs: Any) -> Any:
+            try:
+                return _step(*args, **kwargs)
+            finally:
+                if count is not None:
+                    count[0] += 1
+                try:
+                    core.check()
+                except AssertionError as exc:
+                    failures.append(f"Core.check() after Core.{_name}: {exc!r}")
+
+        setattr(core, name, checked)

@@ -1,0 +1,241 @@
+"""The data of the books: spaces, owners, entries, tickets, and what sizes them.
+
+Plain slotted records with no behaviour beyond a few derived views; what
+changes them is ``Core`` (``_books``) and the scheduler (``_scheduler``).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from collections.abc import Hashable
+from typing import Any
+
+__all__ = [
+    "FAIR_REQUESTS",
+    "REMEMBERED_SIZES",
+    "UNBOUNDED",
+    "Entry",
+    "Owner",
+    "Reason",
+    "Space",
+    "State",
+    "Ticket",
+]
+
+
+#: The capacity of a space when retention is off: more bytes than any machine has.
+UNBOUNDED = 1 << 80
+
+#: How many requests (hits included) may be served after a request queued for
+#: space before the leased entries it needs stop taking new leases
+#: (``_scheduler.drain``).
+FAIR_REQUESTS = 256
+
+#: How many measured sizes the books remember (the oldest are forgotten first).
+REMEMBERED_SIZES = 100_000
+
+
+class State(enum.Enum):
+    """Life cycle of an entry. ``waiting`` is the part of loading spent queued for space."""
+
+    WAITING = "waiting"
+    LOADING = "loading"
+    READY = "ready"
+    RELEASING = "releasing"
+    QUARANTINED = "quarantined"
+    GONE = "gone"
+
+
+class Reason(enum.Enum):
+    """Why the broker asked an owner to release an entry."""
+
+    CAPACITY = "capacity"
+    IDLE = "idle"
+    INVALIDATE = "invalidate"
+    CLEAR = "clear"
+    CLOSE = "close"
+    UNRETAINED = "unretained"
+    REJECTED = "rejected"
+    RETRY = "retry"
+    ABANDONED = "abandoned"
+
+
+class Space:
+    """One memory budget and its books."""
+
+    __slots__ = (
+        "budget",
+        "capacity",
+        "idle_bytes",
+        "limit",
+        "name",
+        "quarantined",
+        "releasing",
+        "used",
+    )
+
+    def __init__(self, name: str, budget: int, *, bounded: bool) -> None:
+        self.name = name
+        self.budget = budget
+        # Unbounded (retention off) spaces admit everything; their books still add up.
+        self.capacity = budget if bounded else UNBOUNDED
+        #: The most this space can ever hold: sizes above it fail fast.
+        self.limit = self.capacity
+        self.used = 0
+        self.releasing = 0
+        self.idle_bytes = 0
+        #: The part of ``used`` held by quarantined entries: only ``forget()``
+        #: returns it, so a request above ``limit - quarantined`` fails fast.
+        self.quarantined = 0
+
+    def fits(self, amount: int) -> bool:
+        return self.used + amount <= self.capacity
+
+    @property
+    def attainable(self) -> int:
+        """The most a request may need here without waiting on ``forget()``."""
+        return self.limit - self.quarantined
+
+
+class Owner:
+    """A cache: one releaser's namespace of keys."""
+
+    __slots__ = ("closing", "entries", "live", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        #: The current entry of each key (what an acquire of that key finds).
+        self.entries: dict[Hashable, Entry] = {}
+        #: Every entry of this owner not yet gone or quarantined.
+        self.live: set[Entry] = set()
+        self.closing = False
+
+
+class Ticket:
+    """One requester's claim on an entry that is not ready yet.
+
+    ``outcome`` is ``None`` while pending, ``True`` once a lease was granted to
+    it, or the exception it must raise.
+    """
+
+    __slots__ = ("entry", "holds", "loading", "outcome", "task")
+
+    def __init__(self, entry: Entry, task: object, loading: tuple[Entry, ...] = ()) -> None:
+        self.entry = entry
+        self.task = task
+        self.outcome: bool | BaseException | None = None
+        #: The entries whose loader made this request (it runs inside their load).
+        self.loading = loading
+        #: Whether ``task`` held a lease in the requested spaces when it asked:
+        #: a waiter blocked on that lease must not block this request in turn.
+        self.holds = False
+
+
+class Entry:
+    """One cached (or soon cached) value and its books."""
+
+    __slots__ = (
+        "after",
+        "cache",
+        "charge",
+        "cost",
+        "declared_cost",
+        "doomed",
+        "error",
+        "gated",
+        "holders",
+        "holding",
+        "idle_seq",
+        "idle_since",
+        "joiners",
+        "key",
+        "last_request",
+        "leases",
+        "need",
+        "nested",
+        "owner",
+        "pinned",
+        "queued_tick",
+        "requests",
+        "shell",
+        "state",
+        "successor",
+        "ttl",
+        "unknown",
+        "value",
+        "weights",
+    )
+
+    def __init__(self, owner: Owner, key: Hashable, need: dict[str, int]) -> None:
+        self.owner = owner
+        #: The name of the cache that owns this entry.
+        self.cache: str = owner.name
+        self.key = key
+        self.need = need
+        self.charge: dict[str, int] = {}
+        #: ``charge`` as (Space, bytes) pairs, for the hot paths.
+        self.weights: tuple[tuple[Space, int], ...] = ()
+        self.state = State.WAITING
+        self.leases = 0
+        #: The task of each lease (one item per lease; usually a single one).
+        self.holders: list[object] = []
+        self.joiners: list[Ticket] = []
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.idle_seq = 0
+        self.idle_since = 0.0
+        #: Reload cost in seconds: the declared one, else the measured load time.
+        self.declared_cost: float | None = None
+        self.cost = 0.0
+        #: Requests for this entry since it was created, and the core's request
+        #: clock (``Core.tick``) at the latest one: what policies rank by.
+        self.requests = 0
+        self.last_request = 0
+        #: Per-entry idle TTL (``None``: the broker's); pinned entries are never
+        #: eviction candidates and never expire while their cache is open.
+        self.ttl: float | None = None
+        self.pinned = False
+        #: Why to release it when its last lease ends (invalidated, cleared, closing).
+        self.doomed: Reason | None = None
+        #: A releasing entry this one must wait for, and the reverse link.
+        self.after: Entry | None = None
+        self.successor: Entry | None = None
+        #: Slot for the async shell (events, cancel scopes); the core never reads it.
+        self.shell: Any = None
+        #: The request clock when it was queued for space (fairness, see
+        #: ``_scheduler.drain``).
+        self.queued_tick = 0
+        #: Joined tickets whose task holds a lease in the requested spaces.
+        self.holding = 0
+        #: Its size is unknown until measured (see ``Core.request``), and it
+        #: waits at the gate that lets one such load run at a time.
+        self.unknown = False
+        self.gated = False
+        #: Tickets that this entry's loader asked for (deadlock detection).
+        self.nested: list[Ticket] = []
+
+    @property
+    def idle(self) -> bool:
+        """Whether the entry is an eviction candidate (loaded, no lease, not releasing)."""
+        return self.idle_seq != 0
+
+    def __repr__(self) -> str:
+        return f"<Entry {self.owner.name}:{self.key!r} {self.state.value} leases={self.leases}>"
+
+
+def _naming(error: BaseException, entry: Entry) -> BaseException:
+    """``error`` as the requesters of ``entry`` get it: its type, a message naming the entry."""
+    try:
+        named = copy.copy(error)
+        named.args = (f"{error} while acquiring {entry.owner.name}:{entry.key!r}",)
+    except Exception:  # an exception that cannot be copied is given as it is
+        return error
+    return named
+
+
+def _shrink_if_empty(container: dict[Any, Any] | set[Any]) -> None:
+    """Give an emptied container's table back: CPython keeps a dict's or set's
+    peak size until it is cleared, so a burst would hold memory for good."""
+    if not container:
+        container.clear()

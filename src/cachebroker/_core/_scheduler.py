@@ -1,0 +1,241 @@
+"""Who gets space next: per-space FIFO grants, eviction, fairness and refusal.
+
+``schedule`` runs at the end of every step that may let a waiter in; the
+rest are its parts: ``evict`` (start releasing victims), ``drain`` (stop new
+leases on entries a long-waiting request needs), ``repay`` (evict for a load
+measured larger than it declared), ``refuse`` and ``refuse_self_waits``
+(fail waiters that can never be granted).
+
+These are functions of the books (``schedule(books)``), not methods of a
+mixin of ``Core``: a mixin would have to declare (or take as a protocol)
+every attribute of the books it reads for mypy strict to check it, a second
+list to keep in step with ``Core.__init__``; a function takes the ``Core``
+itself, imported here for type checking only (``_books`` imports this module
+at run time), so each call names the module that decides and the books keep
+a single definition. What they change on the books goes through ``Core``'s
+primitives (``_grant``, ``_start_release``, ``_doom``, ``_fail_waiting``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from ._effects import Settled
+from ._model import FAIR_REQUESTS, Entry, Reason, State
+
+if TYPE_CHECKING:
+    from ._books import Core
+
+__all__ = ["drain", "evict", "refuse", "refuse_self_waits", "repay", "schedule"]
+
+
+def schedule(books: Core) -> None:
+    """Grant queued requests that fit and evict for those that can be covered.
+
+    Walks the queue in arrival order. Per space, ``avail`` is the free bytes
+    plus those whose release is in flight, minus what earlier waiters have
+    already been promised. A waiter that fits ``avail`` is promised it (and
+    granted at once if it also fits the free bytes and nobody earlier in
+    its spaces still waits); one that does not is covered by asking the
+    policy for victims, but only when idle entries can cover the whole
+    shortfall: releasing values that would not let anyone in is waste.
+    A waiter that cannot be covered blocks its spaces for those behind it,
+    except for requests whose task holds a lease there (or whose loader
+    holds a reservation there): the blocked waiter may be waiting for
+    exactly that lease, so making them wait in turn would be a deadlock.
+    A waiter that can never be granted without ``forget()`` is refused.
+    (A lease holder's request that quarantine leaves to its own leases or
+    ``forget()`` alone is refused when the quarantine grows: ``refuse_self_waits``.)
+    """
+    books._settle()
+    if books._overdrawn:
+        repay(books)
+    books._fair_at = math.inf
+    if not books.queue:
+        return
+    spaces = books.spaces
+    every_space = len(books.canon_names)
+    promised: dict[str, int] = {}  # to earlier waiters: granted in this pass, or covered
+    unfinished: set[str] = set()  # spaces where an earlier waiter is not granted yet
+    blocked: set[str] = set()  # spaces where an earlier waiter cannot be covered
+    grants: list[Entry] = []
+    refused: list[Entry] = []
+    for entry in books.queue:  # Grants are applied after the walk: no copy of the queue.
+        if len(blocked) == every_space and not books._holding_waiters:
+            break  # Nobody further back may be granted or evicted for.
+        # One pass over its spaces (usually a single one) gathers what the
+        # decision needs and promises it their bytes, taken back below if it
+        # is refused, held back or not covered after all.
+        need = entry.need
+        attainable = True  # without waiting on forget()
+        behind = False  # one of its spaces is blocked by an earlier waiter
+        shortfall: dict[str, int] | None = None  # short of ``avail``, per space
+        coverable = True  # idle entries could cover every shortfall
+        grantable = entry.after is None  # fits the free bytes; nobody earlier unfinished
+        opens = False  # one of its spaces has no unfinished waiter yet
+        for name, amount in need.items():
+            space = spaces[name]
+            if amount > space.limit - space.quarantined:
+                attainable = False
+            if name in blocked:
+                behind = True
+            taken = promised.get(name, 0)
+            short = amount - (space.capacity - space.used + space.releasing - taken)
+            if short > 0:
+                if shortfall is None:
+                    shortfall = {name: short}
+                else:
+                    shortfall[name] = short
+                if space.idle_bytes < short:
+                    coverable = False
+            if name in unfinished:
+                grantable = False
+            else:
+                opens = True
+                # All that this pass promised here was granted (and is not in
+                # ``used`` yet): it must fit beside that.
+                if space.used + taken + amount > space.capacity:
+                    grantable = False
+            promised[name] = taken + amount
+        if not attainable:
+            refused.append(entry)
+        elif behind and not entry.holding:  # held back
+            blocked.update(need)
+        # (Whether idle entries could cover it, first: the usual answer under contention.)
+        elif shortfall is not None and not (coverable and evict(books, shortfall)):
+            heads = (
+                {name: short for name, short in shortfall.items() if name not in blocked}
+                if behind
+                else shortfall
+            )
+            blocked.update(need)
+            if heads:
+                drain(books, entry, heads)
+        elif grantable:  # promised, and granted at once
+            grants.append(entry)
+            continue
+        else:  # promised, to be granted in a later pass
+            if opens:
+                unfinished.update(need)
+            continue
+        for name, amount in need.items():  # Refused, held back or not covered: not promised.
+            promised[name] -= amount
+    for entry in grants:
+        books._grant(entry)
+    if refused:
+        for entry in refused:
+            refuse(books, entry)
+        schedule(books)  # What they were not promised may go to those behind them.
+
+
+def refuse(books: Core, entry: Entry) -> None:
+    """Fail a waiter that only ``forget()`` could ever grant (see ``Core._shortage``)."""
+    error = None
+    for name, amount in entry.need.items():
+        error = error or books._shortage(entry.owner, entry.key, name, amount)
+    assert error is not None, entry
+    books._fail_waiting(entry, error)
+
+
+def refuse_self_waits(books: Core) -> None:
+    """Refuse the lease holders among the waiters that now wait on themselves.
+
+    A release that failed since they asked may have left only their own
+    leases (and ``forget()``) to make room. Only their requests are
+    refused: other requesters of the same entry wait on (for those leases).
+    """
+    for entry in [e for e in books.queue if e.holding]:
+        for ticket in [t for t in entry.joiners if t.holds]:
+            mine = books._leased_by(ticket.task, entry.need, queued=True)
+            error = mine and books._waits_on_itself(
+                entry.owner, entry.key, entry.need, mine, now=False
+            )
+            if not error:
+                continue
+            ticket.outcome = error
+            entry.joiners.remove(ticket)
+            entry.holding -= 1
+            if not entry.holding:
+                books._holding_waiters -= 1
+            if entry.joiners:
+                books.effects.append(Settled(entry))  # wakes its requester
+            else:
+                books._fail_waiting(entry, error)
+
+
+def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
+    """Stop new leases on leased entries that ``waiter`` needs, once it has waited long.
+
+    Hits bypass the queue, so entries that are leased again and again
+    would never all be idle at once for a waiter at the head of a space.
+    Once ``FAIR_REQUESTS`` requests have been served since the waiter was
+    queued, enough leased entries (least recently requested first, never
+    pinned ones) are doomed to cover its shortfall: they give their key up
+    at once (new acquires of it queue behind the waiter) and are released
+    when their last lease ends.
+    """
+    due = waiter.queued_tick + FAIR_REQUESTS
+    if books.tick < due:
+        books._fair_at = min(books._fair_at, due)  # checked when a lease ends
+        return
+    for name, short in shortfall.items():
+        coming = books.spaces[name].idle_bytes
+        candidates = []
+        for entry in books.busy:
+            amount = entry.charge.get(name)
+            if not amount or not entry.leases:
+                continue
+            if entry.doomed is not None:
+                coming += amount  # released when its last lease ends
+            elif not entry.pinned:
+                candidates.append(entry)
+        candidates.sort(key=lambda e: e.last_request)
+        for entry in candidates:
+            if coming >= short:
+                break
+            books._doom(entry, Reason.CAPACITY)
+            coming += entry.charge[name]
+
+
+def evict(books: Core, shortfall: dict[str, int], *, partial: bool = False) -> bool:
+    """Start releasing victims that cover ``shortfall``; False (releasing none) if they cannot.
+
+    ``partial``: release what the policy offers even if it falls short (``repay``).
+    ``schedule`` asks only when the idle bytes could cover the whole shortfall
+    (``Space.idle_bytes``): otherwise no victims can, and asking would be waste.
+    """
+    victims: list[Entry] = []
+    freed = dict.fromkeys(shortfall, 0)
+    for victim in books.policy.victims(shortfall):
+        # A policy sees entries as PolicyEntry: only one of the books' own may come back.
+        if (
+            not isinstance(victim, Entry)
+            or victim.leases
+            or victim.state is not State.READY
+            or not victim.idle_seq
+        ):
+            raise RuntimeError(f"policy chose {victim!r}, which is not an idle entry")
+        victims.append(victim)
+        for name, amount in victim.charge.items():
+            if name in freed:
+                freed[name] += amount
+    if not partial and any(freed[name] < short for name, short in shortfall.items()):
+        return False
+    for victim in victims:
+        books._start_release(victim, Reason.CAPACITY)
+    return True
+
+
+def repay(books: Core) -> None:
+    """Evict for spaces driven over budget by a load measured larger than declared."""
+    shortfall: dict[str, int] = {}
+    for name in list(books._overdrawn):
+        space = books.spaces[name]
+        if space.used <= space.capacity:
+            books._overdrawn.discard(name)
+        elif (short := space.used - space.releasing - space.capacity) > 0:
+            shortfall[name] = short
+    if shortfall:
+        evict(books, shortfall, partial=True)
