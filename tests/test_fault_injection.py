@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar
@@ -326,6 +326,8 @@ class BrokerMachine(RuleBasedStateMachine):
         self.probe_failures_logged = 0
         self.frozen_capacity: int | None = None
         self.unknown_running = 0
+        #: (cache, key) pairs measured so far: later loads of them reserve that size.
+        self.measured: set[tuple[str, Hashable]] = set()
         self.unknown_lock = threading.Lock()
         self.short_caches = itertools.count()
         self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] = (
@@ -376,20 +378,27 @@ class BrokerMachine(RuleBasedStateMachine):
 
     def _size(self, request: Request) -> dict[str, Any]:
         declared = {request.space: request.size}
+        measure = functools.partial(self._measure, request.cache.name)
         if request.size_mode == "measure":
-            return {"size": declared, "measure": self._measure}
+            return {"size": declared, "measure": measure}
         if request.size_mode == "unknown":
-            return {"size": self._measure}
+            return {"size": measure}
         return {"size": declared}
 
-    @staticmethod
-    def _measure(value: Value) -> dict[str, int]:
+    def _measure(self, cache: str, value: Value) -> dict[str, int]:
+        self.measured.add((cache, value.key))
         return {value.space: value.weight}
 
     def _loader(self, request: Request, depth: int = 0) -> Callable[[], Any]:
         """The loader ``request`` injects (``depth``: how deep in a loader's own requests)."""
         mode = request.load_mode if depth < 3 else "ok"
-        unknown = request.size_mode == "unknown" and depth == 0
+        # Of unknown size only if never measured: the broker reserves a key's
+        # remembered size (decided now, when the request is made).
+        unknown = (
+            request.size_mode == "unknown"
+            and depth == 0
+            and (request.cache.name, request.key) not in self.measured
+        )
 
         def make() -> Value:
             return Value(
