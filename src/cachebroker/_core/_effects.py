@@ -1,7 +1,7 @@
 """The work a step of the books leaves for the shell: one frozen class per kind.
 
 A step appends effects to ``Core.effects`` in the order the work must be
-done; an interpreter (the broker's ``Broker._apply``, the simulator's replay,
+done; an interpreter (the shell's ``Runner.apply``, the simulator's replay,
 the tests' harness) takes the list and performs each effect with::
 
     match effect:
