@@ -34,7 +34,7 @@ def test_unknown_policy_is_an_invalid_argument() -> None:
 
 def test_infinite_idle_ttl_and_release_timeout_mean_none() -> None:
     broker = Broker(budget=100, idle_ttl=math.inf, release_timeout=math.inf)
-    assert (broker._idle_ttl, broker._release_timeout) == (None, None)
+    assert (broker._runner.idle_ttl, broker._runner.release_timeout) == (None, None)
 
 
 @pytest.mark.parametrize("value", [math.nan, -math.inf, 0, -1])

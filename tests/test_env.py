@@ -14,7 +14,7 @@ async def test_single_budget_and_ttl_from_env() -> None:
     async with broker:
         stats = await broker.stats()
     assert stats.budget == {"default": 24 * 2**30}
-    assert broker._idle_ttl == 300
+    assert broker._runner.idle_ttl == 300
 
 
 async def test_space_budgets_from_env() -> None:
@@ -26,12 +26,12 @@ async def test_space_budgets_from_env() -> None:
 
 def test_idle_ttl_zero_turns_idle_eviction_off() -> None:
     broker = Broker.from_env({"CACHEBROKER_BUDGET": "1GiB", "CACHEBROKER_IDLE_TTL": "0"})
-    assert broker._idle_ttl is None
+    assert broker._runner.idle_ttl is None
 
 
 def test_keyword_arguments_override_environment() -> None:
     broker = Broker.from_env({"CACHEBROKER_BUDGET": "garbage"}, budget="1GiB")
-    assert broker._budget == {"default": 2**30}
+    assert broker._runner.budget == {"default": 2**30}
 
 
 def test_policy_from_env() -> None:
@@ -68,7 +68,7 @@ def test_bad_environment_values_name_variable_and_value(env: dict[str, str], mat
 
 def test_from_env_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CACHEBROKER_BUDGET", "2MiB")
-    assert Broker.from_env()._budget == {"default": 2 * 2**20}
+    assert Broker.from_env()._runner.budget == {"default": 2 * 2**20}
 
 
 @pytest.mark.parametrize(

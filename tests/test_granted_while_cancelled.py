@@ -2,7 +2,7 @@
 
 The loader cancels the waiter's scope and returns in the same step: the load's
 end grants the waiter's ticket (``Ticket.outcome is True``) while the waiter is
-already cancelled, so it never sees the lease. ``Cache._wait`` must end that
+already cancelled, so it never sees the lease. ``Runner._wait`` must end that
 lease (``Core.lease_end``); ``Core.leave`` would do nothing for a ticket already
 granted, and the entry would stay leased for good: never idle, never evicted,
 and the cache's close would wait for it. No sleeps: the race is arranged, not

@@ -1,7 +1,7 @@
 """A load measured larger than declared overdraws its space: the broker repays just the overdraft.
 
 ``Core.load_done(..., measured=...)`` recharges the entry; a space driven over
-budget is repaid by evicting idle entries (``Core._repay``), and only enough of
+budget is repaid by evicting idle entries (``_core._scheduler.repay``), and only enough of
 them: the shortfall counts what is already being released, so the scheduling
 passes that run while those releases are in flight evict nothing more. When the
 idle entries cannot cover the whole overdraft, those there are go anyway.

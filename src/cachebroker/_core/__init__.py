@@ -3,8 +3,9 @@
 Nothing here awaits, sleeps or reads a clock. Every method is one synchronous
 step that updates the books and queues the work that must happen next
 (start this load, ask this owner to release, wake these waiters) in
-``Core.effects``; the async shell in ``_broker`` drains and performs it and
-reports the outcome back (``load_done``, ``release_done``, ...). Because the
+``Core.effects``; the async shell (``_shell``'s ``Runner.apply``) drains and
+performs it and reports the outcome back (``load_done``, ``release_done``,
+...). Because the
 steps are deterministic, property-based tests and the simulator drive this
 class directly.
 

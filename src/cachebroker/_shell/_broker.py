@@ -7,7 +7,6 @@ step of the books and the runner's effects.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
@@ -17,7 +16,7 @@ import anyio
 import anyio.lowlevel
 
 from .. import _log_events as ev
-from .._core import Core, Entry, Reason, State
+from .._core import Core, Reason, State
 from .._errors import InvalidArgument
 from .._policies import Policy, make_policy
 from .._sizes import parse_budget
@@ -301,8 +300,7 @@ class Broker:
 
     def remove_listener(self, listener: Listener) -> None:
         """Stop calling ``listener``; a listener that is not registered is ignored."""
-        with contextlib.suppress(ValueError):
-            self._runner.listeners.remove(listener)
+        self._runner.remove_listener(listener)
 
     async def stats(self) -> Stats:
         """Return a snapshot of the books (see ``Stats``).
@@ -363,24 +361,6 @@ class Broker:
             quarantined=counts[State.QUARANTINED],
             quarantined_keys=tuple((entry.owner.name, entry.key) for entry in core.quarantined),
         )
-
-    # ------------------------------------------------------- for the tests
-
-    @property
-    def _budget(self) -> dict[str, int]:
-        return self._runner.budget
-
-    @property
-    def _idle_ttl(self) -> float | None:
-        return self._runner.idle_ttl
-
-    @property
-    def _release_timeout(self) -> float | None:
-        return self._runner.release_timeout
-
-    @property
-    def _held(self) -> dict[Entry, float]:
-        return self._runner.held
 
 
 def check_running(broker: Broker) -> None:

@@ -194,32 +194,40 @@ class Cache:
             self._check_size(key, size)
         if timeout is not None:
             timeout = positive_seconds(timeout, "timeout", inf_is_none=True)
+        lease: Lease[Any]
         if cost is None and idle_ttl is None and pin is False and measure is None:
-            # The hit path's usual call. ``Lease`` has no __init__ (a call to one costs a
-            # tenth of a hit): its fields are filled in here (and in ``_Tuned.__init__``).
-            lease: Lease[Any] = Lease()
-            lease._cache = self
-            lease.key = key
-            lease._load = load
-            lease._size = size
-            lease._timeout = timeout
-            lease._entry = None
-            lease._task = _PENDING
-            return lease
-        if cost is not None:
-            cost = non_negative_seconds(cost, "cost")
-        if idle_ttl is not None:
-            idle_ttl = non_negative_seconds(idle_ttl, "idle_ttl", allow_inf=True)
-        if not isinstance(pin, bool):
-            raise TypeError(f"pin must be True or False, got {pin!r}")
-        if measure is not None and not callable(measure):
-            raise TypeError(f"measure must be a callable taking the loaded value, got {measure!r}")
-        if measure is not None and callable(size):
-            raise TypeError(
-                "give the measurement once: either size=callable or measure=callable, not both"
-            )
-        options = None if idle_ttl is None and not pin else (idle_ttl, pin)
-        return _Tuned(self, key, load, size, timeout, cost, measure, options)
+            lease = Lease()  # The hit path's usual call.
+        else:
+            if cost is not None:
+                cost = non_negative_seconds(cost, "cost")
+            if idle_ttl is not None:
+                idle_ttl = non_negative_seconds(idle_ttl, "idle_ttl", allow_inf=True)
+            if not isinstance(pin, bool):
+                raise TypeError(f"pin must be True or False, got {pin!r}")
+            if measure is not None and not callable(measure):
+                raise TypeError(
+                    f"measure must be a callable taking the loaded value, got {measure!r}"
+                )
+            if measure is not None and callable(size):
+                raise TypeError(
+                    "give the measurement once: either size=callable or measure=callable, not both"
+                )
+            tuned: _Tuned[Any] = _Tuned()
+            tuned._cost = cost
+            tuned._measure = measure
+            #: ``(idle_ttl, pin)`` for the entry once acquired, if either was given.
+            tuned._options = None if idle_ttl is None and not pin else (idle_ttl, pin)
+            lease = tuned
+        # ``Lease`` has no __init__ (a call to one costs a tenth of a hit): its
+        # fields are filled in here.
+        lease._cache = self
+        lease.key = key
+        lease._load = load
+        lease._size = size
+        lease._timeout = timeout
+        lease._entry = None
+        lease._task = _PENDING
+        return lease
 
     async def invalidate(self, key: Hashable) -> bool:
         """Drop ``key``'s value so the next acquire loads afresh.
@@ -238,7 +246,7 @@ class Cache:
         entry = self._find(key)
         dropped = actor.core.invalidate(self._owner, key)
         actor.apply()
-        if dropped and entry is not None and entry.shell.released is not None:
+        if dropped and entry is not None:  # (await_releases skips one still leased)
             await actor.await_releases([entry])
         else:
             await anyio.lowlevel.checkpoint()

@@ -219,28 +219,9 @@ class _Tuned(Lease[T_co]):
 
     __slots__ = ("_cost", "_measure", "_options")
 
-    def __init__(
-        self,
-        cache: Cache,
-        key: Hashable,
-        load: Callable[[], Any],
-        size: SizeSpec,
-        timeout: float | None,
-        cost: float | None,
-        measure: Callable[[Any], Any] | None,
-        options: tuple[float | None, bool] | None,
-    ) -> None:
-        self._cache = cache
-        self.key = key
-        self._load = load
-        self._size = size
-        self._timeout = timeout
-        self._entry = None
-        self._task = _PENDING
-        self._cost = cost
-        self._measure = measure
+    if TYPE_CHECKING:
         #: ``(idle_ttl, pin)`` for the entry once acquired, if either was given.
-        self._options = options
+        _options: tuple[float | None, bool] | None
 
     def __await__(self) -> Generator[Any, Any, Lease[T_co]]:
         lease = yield from super().__await__()

@@ -392,6 +392,11 @@ class Runner:
         """Seconds from ``start`` to now, rounded for the events."""
         return round(max(0.0, self.clock() - start), 6)
 
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener``; one that is not registered is ignored."""
+        with contextlib.suppress(ValueError):
+            self.listeners.remove(listener)
+
     def emit(self, level: str, event: str, **fields: Any) -> None:
         """Log ``event`` at ``level`` and hand it to the listeners."""
         self.trace = self._debug_check(_DEBUG)
@@ -400,8 +405,7 @@ class Runner:
             try:
                 listener(event, fields)
             except Exception as exc:
-                with contextlib.suppress(ValueError):
-                    self.listeners.remove(listener)
+                self.remove_listener(listener)
                 self.log.error(
                     ev.LISTENER_FAILED, listener=repr(listener), event_name=event, error=repr(exc)
                 )
