@@ -272,8 +272,9 @@ async def test_lease_dropped_while_held_warns_and_is_ended() -> None:
 # ---------------------------------------------------- another thread's loop
 
 
+@pytest.mark.parametrize("entered", [False, True], ids=["awaited", "entered"])
 async def test_cache_used_from_another_threads_event_loop_is_refused(
-    anyio_backend: tuple[str, dict[str, Any]],
+    anyio_backend: tuple[str, dict[str, Any]], entered: bool
 ) -> None:
     async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
         await (await cache.acquire("hit", load=loader(1), size=10)).release()
@@ -283,7 +284,11 @@ async def test_cache_used_from_another_threads_event_loop_is_refused(
             async def misuse(cache: Cache) -> None:
                 for key in ("hit", "miss"):
                     try:
-                        await cache.acquire(key, load=loader(2), size=10)
+                        if entered:
+                            async with cache.acquire(key, load=loader(2), size=10):
+                                pass
+                        else:
+                            await cache.acquire(key, load=loader(2), size=10)
                     except BrokerError as exc:
                         errors.append(exc)
                 try:

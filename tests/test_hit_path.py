@@ -10,44 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import threading
 from typing import Any
 
-import anyio
-import anyio.to_thread
 import pytest
 
-from cachebroker import Broker, BrokerError, Lease, LeaseReleased, WrongEventLoop
+from cachebroker import Broker, Lease, LeaseReleased
 from tests.test_broker import Recorder, loader, wait_until
 
 pytestmark = pytest.mark.anyio
-
-
-async def test_async_with_from_another_threads_loop_is_refused(
-    anyio_backend: tuple[str, dict[str, Any]],
-) -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
-        await (await cache.acquire("hit", load=loader(1), size=10)).release()
-        errors: list[BaseException] = []
-
-        def other_thread() -> None:
-            async def misuse() -> None:
-                for key in ("hit", "miss"):
-                    try:
-                        async with cache.acquire(key, load=loader(2), size=10):
-                            pass
-                    except BrokerError as exc:
-                        errors.append(exc)
-
-            name, options = anyio_backend
-            anyio.run(misuse, backend=name, backend_options=options)
-
-        thread = threading.Thread(target=other_thread)
-        thread.start()
-        await anyio.to_thread.run_sync(thread.join)
-        assert [type(e) for e in errors] == [WrongEventLoop] * 2
-        stats = await broker.stats()
-        assert (stats.hits, stats.leased) == (0, 0)
 
 
 async def test_async_with_ends_the_lease_as_release_does() -> None:
