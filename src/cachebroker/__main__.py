@@ -15,6 +15,11 @@ from collections.abc import Sequence
 #: Command name -> (module that implements it, one-line help).
 COMMANDS = {
     "demo": ("cachebroker._demo", "two plugins sharing a small RAM budget, with real buffers"),
+    "serve": (
+        "cachebroker._remote._serve",
+        "serve one broker to every process of this user on the machine",
+    ),
+    "ps": ("cachebroker._remote._ps", "list what the shared broker (cachebroker serve) holds"),
     "simulate": (
         "cachebroker.simulator._cli",
         "replay a workload under each policy and budget, beside the offline optimum",

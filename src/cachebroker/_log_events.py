@@ -30,6 +30,12 @@ RELEASE_BLOCKING: Final = "cachebroker.release.blocking"
 LEASE_HELD: Final = "cachebroker.lease.held"
 LISTENER_FAILED: Final = "cachebroker.listener.failed"
 PROBE_FAILED: Final = "cachebroker.probe.failed"
+RELEASE_REFUSED: Final = "cachebroker.release.refused"
+PEER_CONNECTED: Final = "cachebroker.peer.connected"
+PEER_GONE: Final = "cachebroker.peer.gone"
+PEER_REFUSED: Final = "cachebroker.peer.refused"
+PEER_FAILED: Final = "cachebroker.peer.failed"
+BROKER_LOST: Final = "cachebroker.broker.lost"
 
 ALL: Final = (
     HIT,
@@ -51,4 +57,10 @@ ALL: Final = (
     LEASE_HELD,
     LISTENER_FAILED,
     PROBE_FAILED,
+    RELEASE_REFUSED,
+    PEER_CONNECTED,
+    PEER_GONE,
+    PEER_REFUSED,
+    PEER_FAILED,
+    BROKER_LOST,
 )

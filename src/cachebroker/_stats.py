@@ -43,6 +43,11 @@ class Stats:
         quarantined: Entries whose release failed; their bytes stay charged.
         quarantined_keys: ``(cache, key)`` of each quarantined entry, for
             ``Broker.forget`` once an operator has dealt with it.
+        broker_used: For a broker connected to a shared one
+            (``Broker.connect``): bytes charged per space across every
+            process, as the shared broker reported them (``stats()`` asks it;
+            ``stats_nowait()`` gives the last answer). ``used`` and the
+            counters above are this process's own. ``None`` in-process.
     """
 
     entries: int
@@ -67,6 +72,7 @@ class Stats:
     releasing: int
     quarantined: int
     quarantined_keys: tuple[tuple[str, Hashable], ...] = ()
+    broker_used: Mapping[str, int] | None = None
 
     @property
     def hit_ratio(self) -> float:

@@ -272,6 +272,7 @@ class Core:
         *,
         cost: float | None = None,
         loading: tuple[Entry, ...] = (),
+        urgent: bool = False,
     ) -> Ticket:
         """Ask for ``key`` on behalf of ``task``; returns a ticket to wait on.
 
@@ -288,7 +289,9 @@ class Core:
         Only a request from inside a loader, or from a task holding a lease,
         does not wait for its turn (it reserves nothing): the load whose turn
         it is may be waiting for that loader's reservation or that lease.
-        ``loading`` names the entries whose loader makes this request.
+        ``loading`` names the entries whose loader makes this request;
+        ``urgent`` says the same of a request relayed from another process
+        (whose loaders and leases these books do not see).
 
         Raises:
             RequestTooLarge: ``need`` exceeds a space's whole budget.
@@ -322,7 +325,7 @@ class Core:
             self._check_fit(owner, key, need)
             mine = self._leased_by(task, need, queued=bool(self.queue))
             self._check_deadlock(owner, key, need, mine)
-            urgent = unknown and (bool(loading) or self._holds_any(task))
+            urgent = unknown and (urgent or bool(loading) or self._holds_any(task))
             entry = self._create(owner, key, need, unknown=unknown, urgent=urgent)
             entry.declared_cost = cost
             self._count_request(entry)
@@ -691,7 +694,12 @@ class Core:
         schedule(self)
 
     def load_failed(self, entry: Entry, error: BaseException, *, cancelled: bool = False) -> None:
-        """Record a failed or cancelled load: return its reservation, fail its joiners."""
+        """Record a failed or cancelled load: return its reservation, fail its joiners.
+
+        Ignored for an entry no longer loading (``drop_owner`` took it already).
+        """
+        if entry.state is not State.LOADING:
+            return
         if not cancelled:
             self.load_failures += 1
         entry.nested = []
@@ -1026,6 +1034,97 @@ class Core:
             entry.doomed = reason
         else:
             self._start_release(entry, reason)
+
+    # ------------------------------------------------- owners in other processes
+
+    def give_up(self, entry: Entry) -> bool:
+        """Books above these ones (a shared broker) picked ``entry`` as a victim.
+
+        An idle entry's release starts now. Returns ``False`` when the entry
+        is leased or pinned, so the release is refused; ``True`` when its
+        release started or is already under way (or over).
+        """
+        self._settle()
+        if entry.state is State.READY:
+            if entry.leases or entry.pinned:
+                return False
+            self._start_release(entry, Reason.CAPACITY)
+            schedule(self)
+        return entry.state is not State.LOADING
+
+    def release_refused(self, entry: Entry, holder: object) -> None:
+        """The owner refused the release: it had leased ``entry`` again meanwhile.
+
+        For books whose owners live in other processes, where a lease taken
+        there reaches these books only after the release was asked for. The
+        entry is ready again, leased by ``holder``; the requests its bytes
+        were meant for look for other room.
+        """
+        if entry.state is not State.RELEASING:
+            return
+        for name, amount in entry.charge.items():
+            self.spaces[name].releasing -= amount
+        entry.state = State.READY
+        entry.leases += 1
+        entry.holders.append(holder)
+        self.busy[entry] = None
+        schedule(self)
+
+    def let_go(self, entry: Entry, reason: Reason) -> None:
+        """The owner releases ``entry`` on its own (from another process).
+
+        Now, or when its last lease ends.
+        """
+        if entry.state is State.READY and entry.doomed is None:
+            self._doom(entry, reason)
+            schedule(self)
+
+    def drop_owner(self, owner: Owner) -> None:
+        """``owner``'s process is gone, and its memory with it: its entries leave the books at once.
+
+        Waiting and loading requests for its keys fail with ``BrokerClosed``;
+        its ready, releasing and quarantined entries' bytes come back now. The
+        shell's tasks still running for them find them gone (``load_done``,
+        ``load_failed``, ``release_done`` and ``release_failed`` ignore them).
+        """
+        owner.closing = True
+        gone = BrokerClosed(f"cache {owner.name!r} is gone: the process that opened it ended")
+        mine = [
+            *owner.live,
+            *(entry for entry in self.orphans if entry.owner is owner),
+            *(entry for entry in self.quarantined if entry.owner is owner),
+        ]
+        for entry in mine:
+            state = entry.state
+            if state is State.WAITING:
+                self._fail_joiners(entry, gone)
+                self._drop_waiting(entry)
+                continue
+            if state is State.QUARANTINED:  # (gone from its key and owner already)
+                self._unquarantine(entry)
+                entry.state = State.GONE
+                continue
+            if state is State.LOADING:
+                self._fail_joiners(entry, gone)
+                entry.nested = []
+                self._open_gate(entry)
+            elif state is State.READY:
+                if entry.idle_seq:
+                    self._unidle(entry)
+                self._settling.pop(entry, None)
+                self.busy.pop(entry, None)
+                entry.leases = 0
+                entry.holders = []
+            elif state is State.RELEASING:
+                for name, amount in entry.charge.items():
+                    self.spaces[name].releasing -= amount
+                self._unorphan(entry)
+            entry.value = None
+            self._discharge(entry)
+            self._detach(entry)
+            self._gone(entry)
+        self._check_empty(owner)
+        schedule(self)
 
     # ----------------------------------------------------------------- aliases
 

@@ -7,6 +7,7 @@ step of the books and the runner's effects.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
@@ -19,6 +20,7 @@ from .. import _log_events as ev
 from .._core import Core, Reason, State
 from .._errors import InvalidArgument
 from .._policies import Policy, make_policy
+from .._remote._protocol import resolve_address as _address
 from .._sizes import parse_budget
 from .._stats import EvictionReport, Stats
 from . import _logging
@@ -105,6 +107,9 @@ class Broker:
     .. versionadded:: 0.1.0
     """
 
+    #: What runs the books (the daemon of ``cachebroker serve`` runs its own kind).
+    _Runner: type[Runner] = Runner
+
     def __init__(
         self,
         budget: BudgetValue | Mapping[str, BudgetValue],
@@ -152,7 +157,7 @@ class Broker:
         for group in alias_groups(aliases, spaces):
             for name in group[1:]:
                 core.merge_spaces(group[0], name)
-        self._runner = Runner(
+        self._runner = self._Runner(
             core,
             budget=dict(spaces),
             probes=probes,
@@ -172,15 +177,61 @@ class Broker:
     # ------------------------------------------------------------ life cycle
 
     @classmethod
+    def connect(
+        cls, address: str | os.PathLike[str] | None = None, *, logger: Any = None
+    ) -> Broker:
+        """A broker backed by the machine's shared one (``cachebroker serve``).
+
+        Use it as ``async with Broker.connect() as broker``: entering connects
+        to the socket at ``address`` (default: ``CACHEBROKER_ADDRESS``, else
+        ``$XDG_RUNTIME_DIR/cachebroker.sock``, else
+        ``/tmp/cachebroker-$UID.sock``). The broker has the same API and
+        semantics as an in-process one; the budget, policy, idle TTL and
+        release timeout are the daemon's, and every process connected to it
+        shares its budget (``docs/processes.md``). Values stay in this
+        process; hits on entries this process holds need no round trip.
+
+        Entering raises ``BrokerClosed`` naming the address when no broker
+        answers there. If the daemon goes away later, leases held keep
+        working and each operation that needs it raises ``BrokerClosed``;
+        connect again to go on.
+
+        Args:
+            address: The daemon's socket path.
+            logger: As for ``Broker``.
+        """
+        from .._remote._client import ClientRunner  # (the transport, only when asked for)
+
+        runner = ClientRunner(_address(address), logger=_logging.check_logger(logger))
+        broker = cls.__new__(cls)
+        broker._core = runner.core
+        broker._runner = runner
+        return broker
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Broker:
         """Build a broker from ``CACHEBROKER_*`` environment variables.
 
+        When ``CACHEBROKER_ADDRESS`` is set, the broker connects to the
+        shared broker there (``Broker.connect``), whose settings are the
+        daemon's: only ``logger`` may be given then. Otherwise
         ``CACHEBROKER_BUDGET`` is required: ``"24GiB"`` or
         ``"ram=16GiB,cuda:0=24GiB"``. ``CACHEBROKER_IDLE_TTL`` is seconds
         (0 = off) and ``CACHEBROKER_POLICY`` a policy name. Keyword arguments
         override the environment. A malformed value raises ``InvalidArgument``
         naming the variable and the value.
         """
+        env = os.environ if environ is None else environ
+        address = env.get("CACHEBROKER_ADDRESS", "").strip()
+        if address:
+            settings = sorted(set(overrides) - {"logger"})
+            if settings:
+                raise InvalidArgument(
+                    f"CACHEBROKER_ADDRESS={address!r} connects to a shared broker, whose "
+                    f"settings are its own: {', '.join(settings)} cannot be given here "
+                    "(give them to 'cachebroker serve')"
+                )
+            return cls.connect(address, logger=overrides.get("logger"))
         return cls(**env_arguments(environ, overrides))
 
     async def __aenter__(self) -> Broker:
@@ -191,6 +242,7 @@ class Broker:
         if self._runner.running or self._core.closed:
             raise RuntimeError("a Broker can be entered only once")
         await self._runner.start()
+        self._core = self._runner.core  # (a connected broker builds its books on connecting)
         return self
 
     async def __aexit__(
@@ -308,7 +360,7 @@ class Broker:
         The snapshot is taken in one step; the call is a checkpoint, so it may
         raise the caller's cancellation, and nothing else.
         """
-        await anyio.lowlevel.checkpoint()
+        await self._runner.shared_totals()
         return self.stats_nowait()
 
     def export_sizes(self) -> dict[str, dict[Hashable, dict[str, int]]]:
@@ -360,6 +412,7 @@ class Broker:
             releasing=counts[State.RELEASING],
             quarantined=counts[State.QUARANTINED],
             quarantined_keys=tuple((entry.owner.name, entry.key) for entry in core.quarantined),
+            broker_used=self._runner.shared_used,
         )
 
 

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable, Mapping
 from threading import get_ident
 from types import TracebackType
 from typing import Any, assert_never, cast
@@ -199,6 +199,7 @@ class Runner:
         "release_timeouts",
         "releases_blocking",
         "running",
+        "shared_used",
         "thread",
         "trace",
     )
@@ -268,6 +269,8 @@ class Runner:
         self._held_reported: set[Entry] = set()
         #: Probed spaces that have had a good reading.
         self._probe_ok: set[str] = set()
+        #: A connected broker's last news of the shared books: bytes used per space.
+        self.shared_used: Mapping[str, int] | None = None
         self._refresh_probes()
 
     # ------------------------------------------------------------ life cycle
@@ -512,6 +515,16 @@ class Runner:
             slot.scope = scope
             if slot.cancelled:
                 scope.cancel()
+            try:
+                refused = await self._admit(entry)
+            except BaseException as exc:
+                if self._load_failed(entry, exc):
+                    raise
+                return
+            if refused is not None:
+                core.load_failed(entry, refused, cancelled=True)
+                self.apply()
+                return
             self.emit(
                 "info", ev.LOAD_START, cache=cache_name, key=entry.key, bytes=dict(entry.charge)
             )
@@ -550,6 +563,14 @@ class Runner:
             self.apply()
             if fatal is not None:
                 raise fatal
+
+    async def _admit(self, entry: Entry) -> BaseException | None:
+        """What a granted load awaits before it runs: nothing here.
+
+        A broker connected to a shared one (``_remote``) waits there for the
+        bytes this books granted; it returns the error that refused them.
+        """
+        return None
 
     def _load_failed(self, entry: Entry, exc: BaseException) -> bool:
         """Book a load that raised ``exc``; return whether ``exc`` must propagate.
@@ -931,6 +952,11 @@ class Runner:
             self.apply()
             entry.shell.released.set()
 
+    async def shared_totals(self) -> Mapping[str, int] | None:
+        """The shared books' bytes used per space, for a connected broker; ``None`` here."""
+        await anyio.lowlevel.checkpoint()
+        return None
+
     async def await_releases(self, entries: list[Entry]) -> EvictionReport:
         freed = failed = 0
         for entry in entries:
@@ -1085,10 +1111,13 @@ class Runner:
         measure: Callable[[Any], Any] | None,
         cost: float | None,
         timeout: float | None,
+        *,
+        urgent: bool = False,
     ) -> tuple[Entry, object]:
         """Acquire ``key`` when it is not ready (a miss, or a join): the entry and its holder.
 
-        ``Cache._acquire_slow`` checked the arguments and parsed ``need``.
+        ``Cache._acquire_slow`` checked the arguments and parsed ``need``;
+        ``urgent`` is for a request relayed from another process (``Core.request``).
         """
         task = self.current_task()
         core = self.core
@@ -1097,7 +1126,9 @@ class Runner:
             self._refresh_probes()
         if self._dropped:
             self._end_dropped()  # before their holder is taken to hold them still
-        ticket = core.request(owner, key, need, task, cost=cost, loading=_LOADING.get())
+        ticket = core.request(
+            owner, key, need, task, cost=cost, loading=_LOADING.get(), urgent=urgent
+        )
         entry = ticket.entry
         if entry.state is State.WAITING and task in self._releasing_tasks:
             core.leave(ticket)
@@ -1136,7 +1167,7 @@ class Runner:
                         await entry.shell.done.wait()
         except TimeoutError:
             if ticket.outcome is None:
-                waiting_for, what = _waiting_for(entry)
+                waiting_for, what = self._waiting_for(entry)
                 core.leave(ticket)
                 self.apply()
                 name = entry.owner.name
@@ -1159,6 +1190,10 @@ class Runner:
             return entry, ticket.task
         assert isinstance(outcome, BaseException)
         raise _own_copy(outcome)
+
+    def _waiting_for(self, entry: Entry) -> tuple[str | None, str]:
+        """What a request of ``entry`` waits for: ``AcquireTimeout.waiting_for``, and in words."""
+        return _waiting_for(entry)
 
 
 class _TimedSteps:

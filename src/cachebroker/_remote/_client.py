@@ -1,0 +1,519 @@
+"""A broker in a client process, backed by the machine's shared one (``Broker.connect``).
+
+The client runs the ordinary shell (``Runner``, ``Cache``, ``Lease``) over
+books of its own (``ClientBooks``) whose spaces never run short: they keep
+this process's leases, loads and releases, and admit at once. What they
+admit waits for the daemon (``Link.admit``) before its loader runs, so a
+process never loads before the daemon granted its bytes. Every change of an
+entry that the daemon must know (it became leased or idle, released,
+quarantined, gone) is marked by the books and reported in the next batch the
+writer sends (``Link.collect``): a hit costs no round trip, and a hit and
+its release within one batch cost no message at all.
+
+A release the daemon asks for (``Link.give_up``) starts only on an idle
+entry; one that this process leased again meanwhile is refused, by the
+``held`` report the lease produced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Hashable, Mapping
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from .. import _log_events as ev
+from .._core import UNBOUNDED, Core, Entry, Owner, Reason, State
+from .._errors import BrokerClosed
+from .._policies import make_policy
+from .._shell._actor import Block
+from .._shell._config import ReleaseFunction, oom_error_types
+from .._shell._runner import Runner
+from . import _protocol as wire
+from ._protocol import ProtocolError
+
+__all__ = ["ClientBooks", "ClientRunner", "Link"]
+
+#: Seconds to connect and be welcomed, to be told the daemon's totals, and to
+#: send what is left when the broker closes.
+CONNECT_TIMEOUT = 10.0
+TOTALS_TIMEOUT = 5.0
+FINISH_TIMEOUT = 5.0
+
+#: The longest key text sent (``repr(key)``, for ``cachebroker ps`` and errors).
+KEY_TEXT = 200
+
+_LOST = (
+    anyio.EndOfStream,
+    anyio.IncompleteRead,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    OSError,
+    ProtocolError,
+)
+
+
+def _unlinked(entry: Entry) -> None:
+    """What the books call before a link is made: nothing to report to."""
+
+
+class ClientBooks(Core):
+    """This process's books under a shared broker: they admit at once and mark every change.
+
+    ``changed(entry)`` is called whenever the daemon's view of ``entry``
+    may have to change; what changed is worked out when the next batch is
+    sent.
+    """
+
+    __slots__ = ("changed", "charges", "reasons")
+
+    def __init__(
+        self,
+        budget: Mapping[str, int],
+        idle_ttl: float | None,
+        changed: Callable[[Entry], None] = _unlinked,
+    ) -> None:
+        super().__init__(budget, make_policy("lru"), idle_ttl=idle_ttl, retain=True)
+        for space in self.spaces.values():
+            space.capacity = space.limit = UNBOUNDED  # the daemon's books say no, not these
+        self.changed = changed
+        #: The measured charge of each loaded entry, until the daemon was told it.
+        self.charges: dict[Entry, dict[str, int]] = {}
+        #: Why each releasing entry is released.
+        self.reasons: dict[Entry, Reason] = {}
+
+    def hit(self, entry: Entry, task: object) -> None:
+        if not entry.leases:
+            self.changed(entry)
+        Core.hit(self, entry, task)
+
+    def lease_end(self, entry: Entry, task: object, now: float) -> None:
+        Core.lease_end(self, entry, task, now)
+        if not entry.leases:
+            self.changed(entry)
+
+    def configure(
+        self, entry: Entry, *, idle_ttl: float | None = None, pin: bool | None = None
+    ) -> None:
+        Core.configure(self, entry, idle_ttl=idle_ttl, pin=pin)
+        if pin is not None:
+            self.changed(entry)
+
+    def unpin(self, owner: Owner, key: Hashable, now: float) -> bool:
+        unpinned = Core.unpin(self, owner, key, now)
+        entry = owner.entries.get(key)
+        if unpinned and entry is not None:
+            self.changed(entry)
+        return unpinned
+
+    def load_done(self, entry: Entry, value: Any, *args: Any, **kwargs: Any) -> None:
+        loading = entry.state is State.LOADING
+        Core.load_done(self, entry, value, *args, **kwargs)
+        if loading:
+            self.charges[entry] = dict(entry.charge)
+            self.changed(entry)
+
+    def load_abandoned(self, entry: Entry) -> None:
+        Core.load_abandoned(self, entry)
+        self.changed(entry)
+
+    def forget(self, entry: Entry) -> None:
+        Core.forget(self, entry)
+        self.changed(entry)
+
+    def _start_release(self, entry: Entry, reason: Reason) -> None:
+        self.reasons[entry] = reason
+        Core._start_release(self, entry, reason)
+        self.changed(entry)
+
+    def _quarantine(self, entry: Entry, error: BaseException) -> None:
+        Core._quarantine(self, entry, error)
+        self.changed(entry)
+
+    def _gone(self, entry: Entry) -> None:
+        Core._gone(self, entry)
+        self.changed(entry)
+
+
+def _report(entry: Entry) -> str:
+    """What the daemon is to know of ``entry`` now."""
+    state = entry.state
+    if state is State.READY:
+        return "held" if entry.leases or entry.pinned else "idle"
+    if state is State.LOADING or state is State.WAITING:
+        return "loading"
+    return str(state.value)  # releasing, quarantined, gone
+
+
+def _key_text(key: Hashable) -> str:
+    try:
+        text = repr(key)
+    except Exception:
+        text = f"<{type(key).__name__}>"
+    return text if len(text) <= KEY_TEXT else text[: KEY_TEXT - 3] + "..."
+
+
+class _Admission:
+    """A load waiting for the daemon's grant."""
+
+    __slots__ = ("error", "event")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.error: BaseException | None = None
+
+
+class Link:
+    """The connection to the daemon, and what this process has told it."""
+
+    def __init__(self, address: str, runner: ClientRunner) -> None:
+        self.address = address
+        self.runner = runner
+        self.stream: anyio.abc.SocketStream | None = None
+        self.welcome: dict[str, Any] = {}
+        self._ids = itertools.count(1)
+        #: Entries the daemon knows (from their ``acquire`` on), by number and back.
+        self.ids: dict[Entry, int] = {}
+        self.by_id: dict[int, Entry] = {}
+        #: What the daemon was last told of each entry (``None``: not granted yet).
+        self.told: dict[Entry, str | None] = {}
+        self.admitting: dict[int, _Admission] = {}
+        self.dirty: dict[Entry, None] = {}
+        self.outbox: list[dict[str, Any]] = []
+        self.wake = anyio.Event()
+        self._waking = False
+        #: The error every operation that needs the daemon raises once it is gone.
+        self.error: BrokerClosed | None = None
+        self.closing = False
+        self.drained = anyio.Event()
+        self.totals: dict[str, Any] | None = None
+        self._totals_wait: anyio.Event | None = None
+
+    # ------------------------------------------------------------ life cycle
+
+    async def open(self) -> dict[str, Any]:
+        """Connect and be welcomed; ``BrokerClosed`` naming the address if nobody answers."""
+        address = self.address
+        try:
+            with anyio.fail_after(CONNECT_TIMEOUT):
+                stream = await anyio.connect_unix(address)
+                try:
+                    await wire.send(
+                        stream, {"op": "hello", "version": wire.VERSION, "pid": os.getpid()}
+                    )
+                    self.rx = BufferedByteReceiveStream(stream)
+                    welcome = await wire.receive(self.rx)
+                except BaseException:
+                    await anyio.aclose_forcefully(stream)
+                    raise
+        except (OSError, TimeoutError) as exc:
+            raise BrokerClosed(
+                f"no broker answers at {address} ({exc}); start one with "
+                "'cachebroker serve' or give Broker.connect() its socket"
+            ) from None
+        except _LOST as exc:
+            raise BrokerClosed(f"the broker at {address} closed the connection ({exc!r})") from None
+        if welcome["op"] != "welcome":
+            await anyio.aclose_forcefully(stream)
+            raise BrokerClosed(
+                f"the broker at {address} refused this process: {welcome.get('message')}"
+            )
+        self.stream = stream
+        self.welcome = welcome
+        return welcome
+
+    async def finish(self) -> None:
+        """Send what is left, then close the connection (the daemon forgets this process)."""
+        self.closing = True
+        if self.error is None:
+            self.collect()
+            self.wake.set()
+            with anyio.move_on_after(FINISH_TIMEOUT):
+                await self.drained.wait()
+        if self.stream is not None:
+            await anyio.aclose_forcefully(self.stream)
+
+    def lost(self, exc: BaseException) -> None:
+        """The connection ended: fail what waits for the daemon, and all that will."""
+        if self.error is not None:
+            return
+        self.error = BrokerClosed(
+            f"the broker at {self.address} is gone ({exc!r:.200}); leases held go on "
+            "working; connect again with Broker.connect()"
+        )
+        if not self.closing:
+            self.runner.emit("error", ev.BROKER_LOST, address=self.address, error=repr(exc))
+        for admission in self.admitting.values():
+            admission.error = self.error
+            admission.event.set()
+        self.drained.set()
+        if self._totals_wait is not None:
+            self._totals_wait.set()
+
+    # --------------------------------------------------------------- sending
+
+    def mark(self, entry: Entry) -> None:
+        """The books changed ``entry``: report it in the next batch (``ClientBooks.changed``)."""
+        self.dirty[entry] = None
+        if not self._waking:
+            self._waking = True
+            self.wake.set()
+
+    def post(self, message: dict[str, Any]) -> None:
+        """Queue ``message`` after every change marked before it."""
+        self.collect()
+        self.outbox.append(message)
+        if not self._waking:
+            self._waking = True
+            self.wake.set()
+
+    def collect(self) -> None:
+        """Turn the entries marked since the last batch into reports of what changed."""
+        dirty = self.dirty
+        if not dirty:
+            return
+        self.dirty = {}
+        core = self.runner.core
+        assert isinstance(core, ClientBooks)
+        for entry in dirty:
+            told = self.told.get(entry)
+            if told is None:
+                continue  # not granted yet: nothing the daemon needs
+            now = _report(entry)
+            if now == told:
+                continue
+            message: dict[str, Any] = {"op": "report", "id": self.ids[entry], "state": now}
+            if told == "loading":
+                message["charge"] = core.charges.pop(entry, None)
+            if now == "releasing":
+                message["reason"] = core.reasons.get(entry, Reason.CAPACITY).value
+            elif now == "quarantined":
+                message["error"] = f"{entry.error!r:.500}"
+            if now == "gone":
+                self._forget(entry)
+                core.reasons.pop(entry, None)
+            else:
+                self.told[entry] = now
+            self.outbox.append(message)
+
+    async def writer(self) -> None:
+        """Send each batch: the reports of what changed, then the messages posted."""
+        assert self.stream is not None
+        while True:
+            await self.wake.wait()
+            self.wake = anyio.Event()
+            self._waking = False
+            if self.error is not None:
+                return
+            self.collect()
+            batch, self.outbox = self.outbox, []
+            if batch:
+                try:
+                    await wire.send(self.stream, *batch)
+                except _LOST as exc:
+                    self.lost(exc)
+                    return
+            if self.closing and not self.outbox and not self.dirty:
+                self.drained.set()
+
+    # ------------------------------------------------------------- receiving
+
+    async def reader(self) -> None:
+        try:
+            while True:
+                message = await wire.receive(self.rx)
+                op = message["op"]
+                if op == "grant":
+                    admission = self.admitting.get(wire.field(message, "id", int))
+                    if admission is not None:
+                        admission.event.set()
+                elif op == "fail":
+                    admission = self.admitting.get(wire.field(message, "id", int))
+                    if admission is not None:
+                        admission.error = wire.decode_error(message.get("error"), self.address)
+                        admission.event.set()
+                elif op == "release":
+                    self.give_up(wire.field(message, "id", int))
+                elif op == "totals":
+                    self.totals = message
+                    if self._totals_wait is not None:
+                        self._totals_wait.set()
+                elif op == "error":
+                    raise ProtocolError(f"the broker said: {message.get('message')}")
+                else:
+                    raise ProtocolError(f"unknown op {op!r}")
+        except _LOST as exc:
+            self.lost(exc)
+
+    def give_up(self, id: int) -> None:
+        """The daemon asks for entry ``id``'s release: start it, unless the entry is in use."""
+        entry = self.by_id.get(id)
+        if entry is None:
+            self.post({"op": "report", "id": id, "state": "gone"})
+            return
+        runner = self.runner
+        if runner.core.give_up(entry):
+            runner.apply()
+        # The answer is the entry's next report: releasing then gone, or held (refused).
+        self.mark(entry)
+
+    # ------------------------------------------------------------- requests
+
+    async def admit(self, entry: Entry) -> BaseException | None:
+        """Wait for the daemon to grant ``entry``'s bytes; the error that refused them, if any."""
+        if self.error is not None:
+            return BrokerClosed(str(self.error))
+        id = next(self._ids)
+        admission = self.admitting[id] = _Admission()
+        self.ids[entry] = id
+        self.by_id[id] = entry
+        self.told[entry] = None
+        core = self.runner.core
+        unknown = entry.unknown
+        self.post(
+            {
+                "op": "acquire",
+                "id": id,
+                "cache": entry.owner.name,
+                "key": _key_text(entry.key),
+                "need": None if unknown else dict(entry.need),
+                "cost": entry.declared_cost,
+                # A load of unknown size let past these books' gate (from inside a
+                # loader, or by a task holding a lease) must pass the daemon's too.
+                "urgent": unknown and entry is not core._unknown,
+            }
+        )
+        try:
+            await admission.event.wait()
+        except BaseException:
+            self._forget(entry)
+            if self.error is None:
+                self.post({"op": "cancel", "id": id})
+            raise
+        finally:
+            del self.admitting[id]
+        if admission.error is not None:
+            self._forget(entry)
+            return admission.error
+        self.told[entry] = "loading"
+        return None
+
+    def _forget(self, entry: Entry) -> None:
+        id = self.ids.pop(entry, None)
+        self.by_id.pop(id, None)  # type: ignore[arg-type]
+        self.told.pop(entry, None)
+
+    async def fetch_totals(self) -> dict[str, Any] | None:
+        """The daemon's books per space now (``Stats.broker_used``); ``None`` when it is gone."""
+        if self.error is not None:
+            return None
+        wait = self._totals_wait = anyio.Event()
+        self.post({"op": "totals"})
+        with anyio.move_on_after(TOTALS_TIMEOUT):
+            await wait.wait()
+        return self.totals
+
+
+class ClientRunner(Runner):
+    """The runner of a broker connected to a shared one: admission waits for the daemon."""
+
+    __slots__ = ("address", "link")
+
+    def __init__(self, address: str, *, logger: object) -> None:
+        super().__init__(
+            ClientBooks({}, None),
+            budget={},
+            probes={},
+            idle_ttl=None,
+            release_timeout=30.0,
+            blocking_warning=0.1,
+            lease_warning=60.0,
+            memory_wait=None,
+            probe_interval=None,
+            oom_errors=oom_error_types(()),
+            oom_retries=8,
+            alias_threshold=3,
+            clock=None,
+            logger=logger,
+        )
+        self.address = address
+        self.link: Link | None = None
+
+    async def start(self) -> None:
+        link = Link(self.address, self)
+        welcome = await link.open()
+        try:
+            budget = wire.charge(welcome, "budget") or {}
+            idle_ttl = welcome.get("idle_ttl")
+            release_timeout = welcome.get("release_timeout")
+            self.core = ClientBooks(budget, idle_ttl, link.mark)
+            self.budget = dict(budget)
+            self.idle_ttl = idle_ttl
+            self.release_timeout = release_timeout
+            self.link = link
+            await super().start()
+        except BaseException:
+            await anyio.aclose_forcefully(link.stream)  # type: ignore[arg-type]
+            raise
+        self._spawn(link.reader, name=f"cachebroker link reader {self.address}")
+        self._spawn(link.writer, name=f"cachebroker link writer {self.address}")
+
+    async def stop(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        try:
+            with anyio.CancelScope(shield=True):
+                for cache in list(self._caches.values()):
+                    await self._shut(cache, BrokerClosed("the broker was closed"))
+                await self._await_orphans()
+                if self.link is not None:
+                    await self.link.finish()
+        except BaseException:
+            await super().stop(exc_type, exc, tb)
+            raise
+        return await super().stop(exc_type, exc, tb)
+
+    async def open_block(self, name: str, release: ReleaseFunction) -> Block:
+        block = await super().open_block(name, release)
+        assert self.link is not None
+        self.link.post({"op": "open", "cache": name})
+        return block
+
+    async def close_block(
+        self,
+        block: Block,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            return await super().close_block(block, exc_type, exc, tb)
+        finally:
+            assert self.link is not None
+            self.link.post({"op": "close", "cache": block.name})
+
+    async def _admit(self, entry: Entry) -> BaseException | None:
+        assert self.link is not None
+        return await self.link.admit(entry)
+
+    def _waiting_for(self, entry: Entry) -> tuple[str | None, str]:
+        link = self.link
+        if link is not None and entry in link.told and link.told[entry] is None:
+            return "space", f"space from the broker at {self.address}"
+        return super()._waiting_for(entry)
+
+    async def shared_totals(self) -> Mapping[str, int] | None:
+        if self.link is None:
+            return None
+        totals = await self.link.fetch_totals()
+        used = None if totals is None else wire.charge(totals, "used")
+        self.shared_used = used
+        return used

@@ -1,0 +1,607 @@
+"""The shared broker: ``cachebroker serve``'s daemon.
+
+The daemon runs an ordinary broker (the same books, policy, probes, idle
+sweeper and release timeout); what is new is who its owners are. Each cache
+a connected process opens is an owner of the daemon's books, named
+``cache@pid``, and each entry that process loads is one entry there, keyed by
+the number the process gave it and shown by its key's ``repr``:
+
+* an ``acquire`` is the daemon's request for that entry; when the books grant
+  it, the entry's load is a ``grant`` sent to the process, which loads and
+  reports the value's measured size (``_Mirror.load``);
+* a ``report`` says where the process's entry stands (``held``, ``idle``,
+  ``releasing``, ``quarantined``, ``gone``); the daemon's lease on the entry
+  follows it (``Connection.reconcile``);
+* a release the books start is a ``release`` asked of the process, whose
+  answer is its next report: ``gone`` (the bytes are free), ``quarantined``
+  (the release failed), or ``held`` (the process leased the entry again
+  before the request arrived: the release is refused and the books look
+  for other room, ``Core.release_refused``);
+* a connection that ends takes its process's entries out of the books at once
+  (``Core.drop_owner``): the operating system has its memory back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+import socket
+import struct
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from .. import _log_events as ev
+from .._core import Entry, Reason, State
+from .._errors import InvalidArgument, LeasesOutstanding, LoadFailed, ReleaseFailed
+from .._shell._actor import Block
+from .._shell._broker import Broker
+from .._shell._runner import Runner
+from . import _protocol as wire
+from ._protocol import ProtocolError
+
+__all__ = ["Daemon", "DaemonBroker"]
+
+#: Seconds a new connection has to say hello.
+HELLO_TIMEOUT = 10.0
+
+#: What a process's report may say of its entry.
+_REPORTS = frozenset({"held", "idle", "releasing", "quarantined", "gone"})
+
+_REASONS = {reason.value: reason for reason in Reason}
+
+
+class _Refused(BaseException):
+    """The process leased the entry again before the release request arrived.
+
+    A ``BaseException``, so that nothing on its way to ``_release_failed`` takes it for a failure.
+    """
+
+    def __init__(self, holder: object) -> None:
+        super().__init__()
+        self.holder = holder
+
+
+class DaemonRunner(Runner):
+    """The daemon's runner: a release the owner refused gives the entry back its lease."""
+
+    __slots__ = ()
+
+    def _release_failed(self, entry: Entry, exc: BaseException) -> bool:
+        if isinstance(exc, _Refused):
+            self.core.release_refused(entry, exc.holder)
+            return False
+        return super()._release_failed(entry, exc)
+
+
+class DaemonBroker(Broker):
+    """The broker the daemon runs (``DaemonRunner``)."""
+
+    _Runner = DaemonRunner
+
+
+class _Key:
+    """A process's key in the daemon's books: its number there, shown as the key's ``repr``."""
+
+    __slots__ = ("id", "text")
+
+    def __init__(self, id: int, text: str) -> None:
+        self.id = id
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+class _Holder:
+    """Who holds the daemon's lease on a process's entry (shown in ``lease.held`` events)."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __repr__(self) -> str:
+        return f"<process {self.pid}>"
+
+
+class _Mirror:
+    """The daemon's side of one entry of a connected process."""
+
+    __slots__ = (
+        "cancelled",
+        "charge",
+        "entry",
+        "error",
+        "held",
+        "holder",
+        "id",
+        "key",
+        "reason",
+        "reported",
+        "scope",
+        "space",
+        "state",
+    )
+
+    def __init__(self, id: int, key: _Key, space: _Space) -> None:
+        self.id = id
+        self.key = key
+        self.space = space
+        #: The process's last report: ``loading`` until its load's outcome.
+        self.state = "loading"
+        self.charge: dict[str, int] | None = None
+        self.reason = Reason.CAPACITY
+        self.error = ""
+        #: Set (and renewed) at each report: what a load or a release waits on.
+        self.reported = anyio.Event()
+        #: The daemon's entry once granted and loaded, and whether (and by whom) it is leased.
+        self.entry: Entry | None = None
+        self.held = False
+        self.holder: object = None
+        self.scope: anyio.CancelScope | None = None
+        self.cancelled = False
+
+
+class _Space:
+    """One cache a process opened: its owner in the daemon's books."""
+
+    __slots__ = ("block", "closed", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.block: Block | None = None
+        self.closed = anyio.Event()
+
+
+class Connection:
+    """One connected process."""
+
+    def __init__(self, daemon: Daemon, stream: anyio.abc.SocketStream, serial: int, pid: int):
+        self.daemon = daemon
+        self.runner = daemon.runner
+        self.stream = stream
+        self.serial = serial
+        self.pid = pid
+        self.holder = _Holder(pid)
+        self.caches: dict[str, _Space] = {}
+        self.mirrors: dict[int, _Mirror] = {}
+        self.outbox: list[dict[str, Any]] = []
+        self.wake = anyio.Event()
+        self.tg: anyio.abc.TaskGroup | None = None
+
+    def post(self, message: dict[str, Any]) -> None:
+        """Queue ``message`` for the writer."""
+        self.outbox.append(message)
+        self.wake.set()
+
+    async def writer(self) -> None:
+        with anyio.CancelScope() as scope:
+            self._writer_scope = scope
+            while True:
+                await self.wake.wait()
+                self.wake = anyio.Event()
+                batch, self.outbox = self.outbox, []
+                try:
+                    await wire.send(self.stream, *batch)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    return  # the reader sees the end too
+
+    # ------------------------------------------------------------ messages
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        op = message["op"]
+        if op == "report":
+            self.report(message)
+        elif op == "acquire":
+            self.acquire(message)
+        elif op == "cancel":
+            self.cancel(wire.field(message, "id", int))
+        elif op == "open":
+            await self.open(wire.field(message, "cache", str))
+        elif op == "close":
+            space = self.caches.pop(wire.field(message, "cache", str), None)
+            if space is not None:
+                space.closed.set()
+        elif op == "ps":
+            self.post({"op": "ps", **self.daemon.listing(asking=self)})
+        elif op == "totals":
+            self.post({"op": "totals", **self.daemon.totals()})
+        else:
+            raise ProtocolError(f"unknown op {op!r}")
+
+    async def open(self, cache: str) -> None:
+        if not cache or cache in self.caches:
+            raise ProtocolError(f"cache {cache!r} is opened twice or has no name")
+        space = self.caches[cache] = _Space(self.daemon.owner_name(cache, self))
+        assert self.tg is not None
+        await self.tg.start(self._run_cache, cache, space)
+
+    async def _run_cache(
+        self, cache: str, space: _Space, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        """Hold the daemon-side block of ``cache`` open until the process closes it (or goes)."""
+        block = await self.runner.open_block(space.name, self._release)
+        space.block = block
+        self.daemon.owners[block.owner] = (self, cache)
+        task_status.started()
+        try:
+            try:
+                await space.closed.wait()
+            except BaseException as exc:
+                await self.runner.close_block(block, type(exc), exc, exc.__traceback__)
+                raise
+            with contextlib.suppress(LeasesOutstanding):  # (quarantined: the books say so)
+                await self.runner.close_block(block, None, None, None)
+        finally:
+            self.daemon.owners.pop(block.owner, None)
+            self.daemon.names.discard(space.name)
+
+    def acquire(self, message: dict[str, Any]) -> None:
+        id = wire.field(message, "id", int)
+        cache = wire.field(message, "cache", str)
+        key = _Key(id, wire.field(message, "key", str))
+        need = wire.charge(message, "need")
+        cost = message.get("cost")
+        if cost is not None and (not isinstance(cost, (int, float)) or cost < 0):
+            raise ProtocolError(f"'acquire' message: 'cost' is {cost!r}")
+        space = self.caches.get(cache)
+        if space is None or space.block is None or id in self.mirrors:
+            raise ProtocolError(f"'acquire' of #{id} in cache {cache!r}, which is not open")
+        mirror = self.mirrors[id] = _Mirror(id, key, space)
+        assert self.tg is not None
+        self.tg.start_soon(self._acquire, mirror, cache, need, cost, bool(message.get("urgent")))
+
+    async def _acquire(
+        self,
+        mirror: _Mirror,
+        cache: str,
+        need: dict[str, int] | None,
+        cost: float | None,
+        urgent: bool,
+    ) -> None:
+        block = mirror.space.block
+        assert block is not None
+        with anyio.CancelScope() as scope:
+            mirror.scope = scope
+            if mirror.cancelled:
+                scope.cancel()
+            try:
+                entry, task = await self.runner.request(
+                    block.owner,
+                    mirror.key,
+                    functools.partial(self._load, mirror),
+                    need,
+                    _measured,
+                    cost,
+                    None,
+                    urgent=urgent,
+                )
+            except Exception as exc:
+                self.mirrors.pop(mirror.id, None)
+                if not mirror.cancelled:
+                    error = wire.encode_error(exc, block.owner.name, cache)
+                    self.post({"op": "fail", "id": mirror.id, "error": error})
+                return
+        if scope.cancelled_caught:
+            return
+        mirror.entry = entry
+        mirror.held = True
+        mirror.holder = task
+        self.reconcile(mirror)
+
+    async def _load(self, mirror: _Mirror) -> dict[str, int]:
+        """The daemon's load of a process's entry: the grant, then the process's outcome."""
+        self.post({"op": "grant", "id": mirror.id})
+        while mirror.state == "loading":
+            await mirror.reported.wait()
+        if mirror.charge is None:  # the load failed (or was given up) in the process
+            raise LoadFailed(f"the load of {mirror.key!r} failed in process {self.pid}")
+        return mirror.charge
+
+    def cancel(self, id: int) -> None:
+        """The process stopped waiting for ``id``'s grant (or never started its load)."""
+        mirror = self.mirrors.get(id)
+        if mirror is None:
+            return
+        mirror.cancelled = True
+        if mirror.entry is None:
+            self.mirrors.pop(id, None)
+            if mirror.scope is not None:
+                mirror.scope.cancel()
+            mirror.state = "gone"
+            self._wake(mirror)
+        else:
+            mirror.state = "gone"
+            self.reconcile(mirror)
+
+    def report(self, message: dict[str, Any]) -> None:
+        id = wire.field(message, "id", int)
+        state = wire.field(message, "state", str)
+        if state not in _REPORTS:
+            raise ProtocolError(f"'report' message: 'state' is {state!r}")
+        mirror = self.mirrors.get(id)
+        if mirror is None:
+            return  # cancelled meanwhile, or gone already
+        if mirror.state == "loading":
+            mirror.charge = wire.charge(message, "charge")
+        mirror.state = state
+        if state == "releasing":
+            mirror.reason = _REASONS.get(str(message.get("reason")), Reason.CAPACITY)
+        elif state == "quarantined":
+            mirror.error = str(message.get("error", ""))
+        self.reconcile(mirror)
+
+    def reconcile(self, mirror: _Mirror) -> None:
+        """Bring the daemon's entry in line with the process's last report."""
+        entry = mirror.entry
+        core = self.runner.core
+        state = mirror.state
+        if entry is not None:
+            if entry.state is State.READY:
+                if state == "held" and not mirror.held:
+                    core.hit(entry, self.holder)
+                    mirror.held, mirror.holder = True, self.holder
+                elif state != "held" and mirror.held:
+                    mirror.held = False
+                    core.lease_end(entry, mirror.holder, self.runner.clock())
+                    if not entry.leases:
+                        self.runner.note_idle(entry)
+                if state in ("releasing", "quarantined", "gone"):
+                    core.let_go(entry, mirror.reason)
+            elif entry.state is State.QUARANTINED and state == "gone":
+                core.release_done(entry)  # a late acknowledgement, or forgotten in the process
+            if state == "gone" and entry.state is State.GONE:
+                self.mirrors.pop(mirror.id, None)
+        self.runner.apply()
+        self._wake(mirror)
+
+    def _wake(self, mirror: _Mirror) -> None:
+        mirror.reported.set()
+        mirror.reported = anyio.Event()
+
+    async def _release(self, key: _Key, value: object) -> None:
+        """The daemon's releaser for a process's entries: ask, and await the answer."""
+        mirror = self.mirrors.get(key.id)
+        if mirror is None:
+            return
+        if mirror.state in ("idle", "loading"):
+            self.post({"op": "release", "id": mirror.id})
+        while True:
+            state = mirror.state
+            if state == "gone":
+                self.mirrors.pop(mirror.id, None)
+                return
+            if state == "quarantined":
+                raise ReleaseFailed(
+                    f"releasing {key!r} failed in process {self.pid}: {mirror.error}"
+                )
+            if state == "held":
+                mirror.held, mirror.holder = True, self.holder
+                raise _Refused(self.holder)
+            await mirror.reported.wait()
+
+    def lost(self) -> None:
+        """The process is gone: its entries leave the daemon's books at once."""
+        runner = self.runner
+        core = runner.core
+        freed: dict[str, int] = {}
+        count = 0
+        for entry in list(core.entries()):
+            found = self.daemon.owners.get(entry.owner)
+            if found is not None and found[0] is self and entry.state is not State.WAITING:
+                count += 1
+                for name, amount in entry.charge.items():
+                    freed[name] = freed.get(name, 0) + amount
+        for space in self.caches.values():
+            if space.block is not None:
+                core.drop_owner(space.block.owner)
+        for mirror in self.mirrors.values():
+            mirror.cancelled = True
+            mirror.state = "gone"
+            self._wake(mirror)
+        runner.apply()
+        for space in self.caches.values():
+            space.closed.set()
+        runner.emit(
+            "info",
+            ev.PEER_GONE,
+            address=self.daemon.address,
+            pid=self.pid,
+            entries=count,
+            bytes=freed,
+        )
+
+
+def _measured(charge: object) -> object:
+    """A process's entry weighs what the process measured (its load returns that)."""
+    return charge
+
+
+class Daemon:
+    """Serves one broker to the processes that connect to ``address``."""
+
+    def __init__(self, broker: DaemonBroker, address: str, *, uid: int | None = None) -> None:
+        self.broker = broker
+        self.runner = broker._runner
+        self.address = address
+        #: The only user whose processes may connect.
+        self.uid = os.getuid() if uid is None else uid
+        self.owners: dict[Any, tuple[Connection, str]] = {}
+        self.connections: dict[int, Connection] = {}
+        #: The owner names in use.
+        self.names: set[str] = set()
+        self._serials = itertools.count(1)
+
+    def owner_name(self, cache: str, connection: Connection) -> str:
+        """The name of ``connection``'s cache ``cache`` in the books: ``cache@pid``, made unique."""
+        name = f"{cache}@{connection.pid}"
+        if name in self.names:
+            name = f"{name}.{connection.serial}"
+        self.names.add(name)
+        return name
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen on ``address`` until cancelled; the socket is removed on the way out."""
+        listener = await _listen(self.address)
+        inode = os.stat(self.address).st_ino
+        try:
+            async with self.broker, listener:
+                task_status.started()
+                await listener.serve(self._handle)
+        finally:
+            _unlink(self.address, inode)
+
+    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            log = self.runner
+            uid, pid = _peer(stream)
+            if uid is not None and uid != self.uid:
+                log.emit("error", ev.PEER_REFUSED, address=self.address, uid=uid, pid=pid)
+                await _refuse(stream, f"user {uid} may not use the broker of user {self.uid}")
+                return
+            reader = BufferedByteReceiveStream(stream)
+            try:
+                with anyio.fail_after(HELLO_TIMEOUT):
+                    hello = await wire.receive(reader)
+                if hello["op"] != "hello" or hello.get("version") != wire.VERSION:
+                    await _refuse(
+                        stream,
+                        f"this broker speaks protocol version {wire.VERSION}, got {hello!r:.120}",
+                    )
+                    return
+                claimed = hello.get("pid")
+                pid = pid if pid is not None else claimed if isinstance(claimed, int) else 0
+            except (ProtocolError, TimeoutError, anyio.EndOfStream, anyio.IncompleteRead) as exc:
+                log.emit("error", ev.PEER_FAILED, address=self.address, pid=pid, error=repr(exc))
+                return
+            connection = Connection(self, stream, next(self._serials), pid)
+            self.connections[connection.serial] = connection
+            connection.post({"op": "welcome", "version": wire.VERSION, **self.settings()})
+            log.emit("info", ev.PEER_CONNECTED, address=self.address, pid=pid)
+            try:
+                await self._serve(connection, reader)
+            finally:
+                del self.connections[connection.serial]
+
+    async def _serve(self, connection: Connection, reader: BufferedByteReceiveStream) -> None:
+        log = self.runner
+        async with anyio.create_task_group() as tg:
+            connection.tg = tg
+            tg.start_soon(connection.writer)
+            try:
+                while True:
+                    await connection.dispatch(await wire.receive(reader))
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError):
+                pass  # the process closed the connection, or died
+            except ProtocolError as exc:
+                log.emit(
+                    "error",
+                    ev.PEER_FAILED,
+                    address=self.address,
+                    pid=connection.pid,
+                    error=str(exc),
+                )
+            finally:
+                connection.lost()
+                tg.cancel_scope.cancel()
+
+    def settings(self) -> dict[str, Any]:
+        runner = self.runner
+        return {
+            "pid": os.getpid(),
+            "budget": {name: space.budget for name, space in runner.core.spaces.items()},
+            "idle_ttl": runner.idle_ttl,
+            "release_timeout": runner.release_timeout,
+        }
+
+    def totals(self) -> dict[str, Any]:
+        spaces = self.runner.core.spaces
+        return {
+            "used": {name: space.used for name, space in spaces.items()},
+            "budget": {name: space.budget for name, space in spaces.items()},
+        }
+
+    def listing(self, asking: Connection | None = None) -> dict[str, Any]:
+        """What ``cachebroker ps`` shows (``asking``: the connection of ``ps`` itself, left out)."""
+        runner = self.runner
+        now = runner.clock()
+        entries = []
+        for entry in runner.core.entries():
+            found = self.owners.get(entry.owner)
+            if found is None:
+                continue
+            connection, cache = found
+            idle = entry.state is State.READY and not entry.leases
+            entries.append(
+                {
+                    "pid": connection.pid,
+                    "cache": cache,
+                    "key": repr(entry.key),
+                    "charge": dict(entry.charge),
+                    "state": "waiting" if entry.state is State.WAITING else entry.state.value,
+                    "leases": entry.leases,
+                    "idle_seconds": round(max(0.0, now - entry.idle_since), 3) if idle else None,
+                    "pinned": entry.pinned,
+                }
+            )
+        return {
+            "daemon": {"pid": os.getpid(), "address": self.address, **self.totals()},
+            "processes": sorted({c.pid for c in self.connections.values() if c is not asking}),
+            "entries": entries,
+        }
+
+
+# ---------------------------------------------------------------- the socket
+
+
+async def _listen(address: str) -> anyio.abc.SocketListener:
+    """A Unix-socket listener at ``address``, mode 0600, replacing a stale socket.
+
+    Refuses to start when a daemon already answers there, or when the
+    directory is writable by other users (they could replace the socket).
+    """
+    directory = os.path.dirname(os.path.abspath(address))  # noqa: ASYNC240 - once, at start
+    info = os.stat(directory)
+    if info.st_mode & 0o022 and not info.st_mode & 0o1000:
+        raise InvalidArgument(
+            f"the socket's directory {directory} is writable by other users: "
+            "choose a directory only you can write (--socket)"
+        )
+    if os.path.exists(address):  # noqa: ASYNC240
+        try:
+            stream = await anyio.connect_unix(address)
+        except OSError:
+            os.unlink(address)  # a stale socket: its daemon is gone
+        else:
+            await stream.aclose()
+            raise InvalidArgument(f"a broker already serves {address}")
+    return await anyio.create_unix_listener(address, mode=0o600)
+
+
+def _unlink(address: str, inode: int) -> None:
+    """Remove the socket file, unless another daemon has replaced it since."""
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(address).st_ino == inode:
+            os.unlink(address)
+
+
+def _peer(stream: anyio.abc.SocketStream) -> tuple[int | None, int | None]:
+    """The peer's uid and pid (``SO_PEERCRED``), or ``None``s where the platform has none."""
+    peercred = getattr(socket, "SO_PEERCRED", None)
+    if peercred is None:
+        return None, None
+    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    pid, uid, _gid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, peercred, 12))
+    return uid, pid
+
+
+async def _refuse(stream: anyio.abc.SocketStream, why: str) -> None:
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        await wire.send(stream, {"op": "error", "message": why})

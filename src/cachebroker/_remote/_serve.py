@@ -1,0 +1,158 @@
+"""``cachebroker serve``: one broker for every process of this user on the machine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Any
+
+import anyio
+import structlog
+
+from .._errors import BrokerError
+from .._shell._config import _parse_env_ttl
+from .._sizes import parse_bytes
+from .._units import format_bytes
+from ..probes import NvidiaGPU, Probe, SystemMemory
+from ._daemon import Daemon, DaemonBroker
+from ._protocol import default_address
+
+__all__ = ["add_parser", "parse_budget_spec", "run"]
+
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+
+def parse_budget_spec(raw: str) -> int | dict[str, int | Probe]:
+    """``"24GiB"``, or ``"cuda:0=70GiB,ram=64GiB"``; a space may be probed instead.
+
+    ``ram=system`` follows the machine's available memory and
+    ``cuda:0=nvidia:0`` the free memory of NVIDIA GPU 0, each with an optional
+    headroom left free for everything else: ``ram=system-4GiB``.
+    """
+    raw = raw.strip()
+    if not raw:
+        raise ValueError("the budget is empty; give e.g. '24GiB' or 'cuda:0=70GiB,ram=64GiB'")
+    if "=" not in raw:
+        return parse_bytes(raw, what="budget")
+    spaces: dict[str, int | Probe] = {}
+    for part in raw.split(","):
+        name, sep, value = (text.strip() for text in part.partition("="))
+        if not sep or not name or not value:
+            raise ValueError(f"expected SPACE=AMOUNT, got {part.strip()!r}")
+        if name in spaces:
+            raise ValueError(f"space {name!r} is given twice")
+        spaces[name] = _space_value(name, value)
+    return spaces
+
+
+def _space_value(name: str, value: str) -> int | Probe:
+    device, _, headroom = value.partition("-")
+    room: int | str = headroom.strip() or 0
+    if device == "system":
+        return SystemMemory(headroom=room)
+    if device == "nvidia" or device.startswith("nvidia:"):
+        index = device.partition(":")[2] or "0"
+        if not index.isdigit():
+            raise ValueError(f"space {name!r}: expected nvidia:INDEX, got {device!r}")
+        return NvidiaGPU(int(index), headroom=room)
+    return parse_bytes(value, what=f"the budget of space {name!r}")
+
+
+def add_parser(commands: Any, name: str, help: str) -> None:
+    """Add the ``serve`` command to ``commands`` (argparse sub-parsers)."""
+    parser = commands.add_parser(
+        name,
+        help=help,
+        description=(
+            "Serve one broker to every process of this user that connects "
+            "(Broker.connect(), or CACHEBROKER_ADDRESS with Broker.from_env()). "
+            "Linux and macOS; stop it with Ctrl-C or SIGTERM."
+        ),
+    )
+    parser.add_argument(
+        "--budget",
+        default=os.environ.get("CACHEBROKER_BUDGET"),
+        help="bytes per space: '24GiB', 'cuda:0=70GiB,ram=64GiB', or probed: "
+        "'ram=system-4GiB,cuda:0=nvidia:0-1GiB' (default: $CACHEBROKER_BUDGET)",
+    )
+    parser.add_argument(
+        "--socket",
+        default=None,
+        help=f"socket path (default: $CACHEBROKER_ADDRESS, else {default_address()})",
+    )
+    parser.add_argument("--policy", default="lru", help="eviction policy (default: lru)")
+    parser.add_argument(
+        "--idle-ttl",
+        default=None,
+        help="seconds an entry may sit unleased before its process is asked to release it",
+    )
+    parser.add_argument(
+        "--release-timeout",
+        default="30",
+        help="seconds a process has to release an entry before it is quarantined (default: 30)",
+    )
+    parser.add_argument(
+        "--log-level", choices=sorted(_LEVELS), default="info", help="events shown on stderr"
+    )
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run ``cachebroker serve`` until interrupted; return the exit status."""
+    if args.budget is None:
+        parser.error("give --budget (or set CACHEBROKER_BUDGET), e.g. --budget 'cuda:0=20GiB'")
+    try:
+        budget = parse_budget_spec(args.budget)
+        idle_ttl = None if args.idle_ttl is None else _parse_env_ttl(args.idle_ttl)
+        release_timeout = _parse_env_ttl(args.release_timeout)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    address = args.socket or os.environ.get("CACHEBROKER_ADDRESS") or default_address()
+    logger = structlog.wrap_logger(
+        structlog.PrintLogger(sys.stderr),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[args.log_level]),
+    )
+    try:
+        broker = DaemonBroker(
+            budget,
+            policy=args.policy,
+            idle_ttl=idle_ttl,
+            release_timeout=release_timeout,
+            logger=logger,
+        )
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    daemon = Daemon(broker, address)
+    try:
+        anyio.run(_serve, daemon)
+    except BrokerError as exc:
+        print(f"cachebroker serve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def _serve(daemon: Daemon) -> None:
+    async with anyio.create_task_group() as tg:
+        await tg.start(daemon.run)
+        budget = ", ".join(
+            f"{name}={format_bytes(space.budget)}"
+            for name, space in daemon.runner.core.spaces.items()
+        )
+        pid = os.getpid()
+        print(
+            f"cachebroker serve: listening on {daemon.address} (pid {pid}, budget {budget})",
+            file=sys.stderr,
+            flush=True,
+        )
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                break
+        tg.cancel_scope.cancel()
