@@ -620,7 +620,10 @@ class Core:
         With ``error`` (the measured size could not be taken), or when the
         measured size exceeds a space's whole budget, the joiners get the error
         instead and the loaded value is released through its owner at once.
+        Ignored for an entry no longer loading (``drop_owner`` took it already).
         """
+        if entry.state is not State.LOADING:
+            return
         entry.value = value
         entry.state = State.READY
         entry.cost = seconds if entry.declared_cost is None else entry.declared_cost
