@@ -25,10 +25,11 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
-from .._core import UNBOUNDED, Core, Entry, Owner, Reason, State
+from .._core import UNBOUNDED, Core, Entry, Owner, Reason, State, Ticket
 from .._errors import BrokerClosed
 from .._policies import make_policy
 from .._shell._actor import Block
@@ -70,18 +71,22 @@ class ClientBooks(Core):
     sent.
     """
 
-    __slots__ = ("changed", "charges", "reasons")
+    __slots__ = ("changed", "charges", "reasons", "withdrawn")
 
     def __init__(
         self,
         budget: Mapping[str, int],
         idle_ttl: float | None,
         changed: Callable[[Entry], None] = _unlinked,
+        withdrawn: Callable[[Entry], None] = _unlinked,
     ) -> None:
         super().__init__(budget, make_policy("lru"), idle_ttl=idle_ttl, retain=True)
         for space in self.spaces.values():
             space.capacity = space.limit = UNBOUNDED  # the daemon's books say no, not these
         self.changed = changed
+        #: Called when every requester of a load left: the daemon must know now,
+        #: before any later change of these books (not when the load task notices).
+        self.withdrawn = withdrawn
         #: The measured charge of each loaded entry, until the daemon was told it.
         self.charges: dict[Entry, dict[str, int]] = {}
         #: Why each releasing entry is released.
@@ -91,6 +96,18 @@ class ClientBooks(Core):
         if not entry.leases:
             self.changed(entry)
         Core.hit(self, entry, task)
+
+    def leave(self, ticket: Ticket) -> None:
+        Core.leave(self, ticket)
+        entry = ticket.entry
+        if entry.state is State.LOADING and not entry.joiners:
+            self.withdrawn(entry)
+
+    def close_owner(self, owner: Owner, error: BaseException) -> None:
+        loading = [entry for entry in owner.live if entry.state is State.LOADING]
+        Core.close_owner(self, owner, error)
+        for entry in loading:
+            self.withdrawn(entry)
 
     def lease_end(self, entry: Entry, task: object, now: float) -> None:
         Core.lease_end(self, entry, task, now)
@@ -364,12 +381,16 @@ class Link:
 
     # ------------------------------------------------------------- requests
 
-    async def admit(self, entry: Entry) -> BaseException | None:
-        """Wait for the daemon to grant ``entry``'s bytes; the error that refused them, if any."""
+    def request(self, entry: Entry) -> None:
+        """Ask the daemon for ``entry``'s bytes, which these books just granted.
+
+        Sent as the books grant, so that requests reach the daemon in the
+        order this process made them, whatever order the load tasks start in.
+        """
         if self.error is not None:
-            return BrokerClosed(str(self.error))
+            return
         id = next(self._ids)
-        admission = self.admitting[id] = _Admission()
+        self.admitting[id] = _Admission()
         self.ids[entry] = id
         self.by_id[id] = entry
         self.told[entry] = None
@@ -388,12 +409,18 @@ class Link:
                 "urgent": unknown and entry is not core._unknown,
             }
         )
+
+    async def admit(self, entry: Entry) -> BaseException | None:
+        """Wait for the daemon's grant of ``entry`` (``request``); the error that refused it."""
+        id = self.ids.get(entry)
+        admission = None if id is None else self.admitting.get(id)
+        if id is None or admission is None:  # withdrawn already, or the daemon is gone
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return BrokerClosed(str(self.error) if self.error else "the request was withdrawn")
         try:
             await admission.event.wait()
         except BaseException:
-            self._forget(entry)
-            if self.error is None:
-                self.post({"op": "cancel", "id": id})
+            self.withdraw(entry)
             raise
         finally:
             del self.admitting[id]
@@ -402,6 +429,15 @@ class Link:
             return admission.error
         self.told[entry] = "loading"
         return None
+
+    def withdraw(self, entry: Entry) -> None:
+        """Nobody here waits for ``entry``'s grant any more: tell the daemon (``cancel``)."""
+        id = self.ids.get(entry)
+        if id is None or self.told.get(entry) is not None:
+            return  # unknown to the daemon, or granted: its report says what became of it
+        self._forget(entry)
+        if self.error is None:
+            self.post({"op": "cancel", "id": id})
 
     def _forget(self, entry: Entry) -> None:
         id = self.ids.pop(entry, None)
@@ -451,7 +487,7 @@ class ClientRunner(Runner):
             budget = wire.charge(welcome, "budget") or {}
             idle_ttl = welcome.get("idle_ttl")
             release_timeout = welcome.get("release_timeout")
-            self.core = ClientBooks(budget, idle_ttl, link.mark)
+            self.core = ClientBooks(budget, idle_ttl, link.mark, link.withdraw)
             self.budget = dict(budget)
             self.idle_ttl = idle_ttl
             self.release_timeout = release_timeout
@@ -499,6 +535,11 @@ class ClientRunner(Runner):
         finally:
             assert self.link is not None
             self.link.post({"op": "close", "cache": block.name})
+
+    def _start_load(self, entry: Entry) -> None:
+        assert self.link is not None
+        self.link.request(entry)
+        super()._start_load(entry)
 
     async def _admit(self, entry: Entry) -> BaseException | None:
         assert self.link is not None
