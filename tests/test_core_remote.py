@@ -1,4 +1,4 @@
-"""The core's steps for owners in other processes: refused releases, owners that go, victims given up.
+"""The core's steps for owners in other processes: refused releases, owners gone, victims.
 
 ``give_up`` is a client's books answering the shared broker; ``release_refused``,
 ``let_go`` and ``drop_owner`` are the shared broker's books following a process.

@@ -27,9 +27,8 @@ from cachebroker import (
     LoadFailed,
     RequestTooLarge,
 )
-from cachebroker._core import State
 from cachebroker._remote import _protocol as wire
-from cachebroker._remote._client import ClientRunner
+from cachebroker._remote._client import ClientRunner, Link
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 
 pytestmark = pytest.mark.anyio
@@ -57,6 +56,12 @@ async def until(condition: Callable[[], bool]) -> None:
     with anyio.fail_after(5):
         while not condition():
             await anyio.sleep(0.001)
+
+
+def link_of(broker: Broker) -> Link | None:
+    runner = broker._runner
+    assert isinstance(runner, ClientRunner)
+    return runner.link
 
 
 def used(daemon: Daemon, space: str = "m") -> int:
@@ -141,7 +146,7 @@ async def test_a_victim_leased_again_before_the_request_arrives_is_refused_and_a
                         pass
                 await until(lambda: [e["leases"] for e in daemon.listing()["entries"]] == [0, 0])
                 # Hold back the first release request the process receives.
-                link = one._runner.link
+                link = link_of(one)
                 assert link is not None
                 asked: list[int] = []
                 arrived = anyio.Event()
@@ -263,7 +268,7 @@ async def test_a_process_that_disconnects_frees_its_bytes_and_others_are_granted
                         tg.start_soon(request)
                         await until(lambda: bool(daemon.runner.core.queue))
                         # The process goes: its connection ends under it.
-                        link = one._runner.link
+                        link = link_of(one)
                         assert link is not None and link.stream is not None
                         await link.stream.aclose()
                         await until(lambda: got == [2])
@@ -297,7 +302,7 @@ async def test_when_the_daemon_goes_held_leases_work_and_requests_raise_broker_c
                     async with cache.acquire("b", load=value("B"), size=10):
                         pass
                     scope.cancel()
-                    link = broker._runner.link
+                    link = link_of(broker)
                     assert link is not None
                     await until(lambda: link.error is not None)
                     assert held.value == "A"
@@ -306,7 +311,7 @@ async def test_when_the_daemon_goes_held_leases_work_and_requests_raise_broker_c
                     with pytest.raises(BrokerClosed, match=address):
                         await cache.acquire("c", load=value("C"), size=10)
                     await held.release()
-            assert not os.path.exists(address)
+            assert not os.path.exists(address)  # noqa: ASYNC240
         # Nobody answers now: connecting says so, naming the address.
         with pytest.raises(BrokerClosed, match=address):
             async with Broker.connect(address):
