@@ -64,15 +64,15 @@ def test_unknown_load_reserves_largest_measured_size_and_evicts_for_it() -> None
 
 
 def test_measured_size_is_remembered_across_evictions_and_reserved() -> None:
-    h = Harness({"m": 100}, instant=True)
+    h = Harness({"m": 100})
     a = h.core.request(h.owner, "a", None, "t")
     h.drain()
-    h.loading.clear()
-    h.core.load_done(a.entry, "v", {"m": 45}, 1.0, 0.0)
+    h.finish(a.entry, "v", measured={"m": 45})
     h.end(a)
     assert h.core.sizes[("p", "a")] == {"m": 45}
     h.core.invalidate(h.owner, "a")
     h.drain()
+    h.ack(a.entry)
     h2 = h.core.request(h.owner, "a", None, "t")
     assert h2.entry.need == {"m": 45}  # reserved before the load, from memory
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 from collections.abc import Callable, Hashable, Mapping
 from types import TracebackType
 from typing import Any
@@ -216,10 +217,21 @@ class Link:
     async def open(self) -> dict[str, Any]:
         """Connect and be welcomed; ``BrokerClosed`` naming the address if nobody answers."""
         address = self.address
+        if not hasattr(socket, "AF_UNIX"):
+            raise BrokerClosed(
+                "Broker.connect() needs Unix-domain sockets (Linux, macOS): "
+                "this platform is not supported yet"
+            )
         try:
             with anyio.fail_after(CONNECT_TIMEOUT):
                 stream = await anyio.connect_unix(address)
                 try:
+                    uid, _pid = wire.peer(stream)
+                    if uid is not None and uid != os.getuid():
+                        raise BrokerClosed(
+                            f"the socket at {address} is served by user {uid}, not by you "
+                            f"(user {os.getuid()}): refusing to use it"
+                        )
                     await wire.send(
                         stream, {"op": "hello", "version": wire.VERSION, "pid": os.getpid()}
                     )
@@ -332,8 +344,9 @@ class Link:
             if batch:
                 try:
                     await wire.send(self.stream, *batch)
-                except _LOST as exc:
+                except Exception as exc:  # (the connection's end, never the application's)
                     self.lost(exc)
+                    await anyio.aclose_forcefully(self.stream)
                     return
             if self.closing and not self.outbox and not self.dirty:
                 self.drained.set()
@@ -341,6 +354,7 @@ class Link:
     # ------------------------------------------------------------- receiving
 
     async def reader(self) -> None:
+        assert self.stream is not None
         try:
             while True:
                 message = await wire.receive(self.rx)
@@ -364,8 +378,9 @@ class Link:
                     raise ProtocolError(f"the broker said: {message.get('message')}")
                 else:
                     raise ProtocolError(f"unknown op {op!r}")
-        except _LOST as exc:
+        except Exception as exc:  # (the connection's end, never the application's)
             self.lost(exc)
+            await anyio.aclose_forcefully(self.stream)
 
     def give_up(self, id: int) -> None:
         """The daemon asks for entry ``id``'s release: start it, unless the entry is in use."""
@@ -403,7 +418,7 @@ class Link:
                 "cache": entry.owner.name,
                 "key": _key_text(entry.key),
                 "need": None if unknown else dict(entry.need),
-                "cost": entry.declared_cost,
+                "cost": entry.declared_cost,  # (finite: Cache.acquire checked it)
                 # A load of unknown size let past these books' gate (from inside a
                 # loader, or by a task holding a lease) must pass the daemon's too.
                 "urgent": unknown and entry is not core._unknown,

@@ -27,8 +27,6 @@ import contextlib
 import functools
 import itertools
 import os
-import socket
-import struct
 from typing import Any
 
 import anyio
@@ -461,7 +459,7 @@ class Daemon:
     async def _handle(self, stream: anyio.abc.SocketStream) -> None:
         async with stream:
             log = self.runner
-            uid, pid = _peer(stream)
+            uid, pid = wire.peer(stream)
             if uid is not None and uid != self.uid:
                 log.emit("error", ev.PEER_REFUSED, address=self.address, uid=uid, pid=pid)
                 await _refuse(stream, f"user {uid} may not use the broker of user {self.uid}")
@@ -487,6 +485,8 @@ class Daemon:
             log.emit("info", ev.PEER_CONNECTED, address=self.address, pid=pid)
             try:
                 await self._serve(connection, reader)
+            except Exception as exc:  # one connection's trouble never stops the daemon
+                log.emit("error", ev.PEER_FAILED, address=self.address, pid=pid, error=repr(exc))
             finally:
                 del self.connections[connection.serial]
 
@@ -575,6 +575,12 @@ async def _listen(address: str) -> anyio.abc.SocketListener:
             "choose a directory only you can write (--socket)"
         )
     if os.path.exists(address):  # noqa: ASYNC240
+        owner = os.stat(address).st_uid
+        if owner != os.getuid():
+            raise InvalidArgument(
+                f"{address} belongs to user {owner}: another user's file is in the way; "
+                "remove it or choose another path (--socket)"
+            )
         try:
             stream = await anyio.connect_unix(address)
         except OSError:
@@ -590,16 +596,6 @@ def _unlink(address: str, inode: int) -> None:
     with contextlib.suppress(FileNotFoundError):
         if os.stat(address).st_ino == inode:
             os.unlink(address)
-
-
-def _peer(stream: anyio.abc.SocketStream) -> tuple[int | None, int | None]:
-    """The peer's uid and pid (``SO_PEERCRED``), or ``None``s where the platform has none."""
-    peercred = getattr(socket, "SO_PEERCRED", None)
-    if peercred is None:
-        return None, None
-    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-    pid, uid, _gid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, peercred, 12))
-    return uid, pid
 
 
 async def _refuse(stream: anyio.abc.SocketStream, why: str) -> None:

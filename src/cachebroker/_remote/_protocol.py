@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
 from collections.abc import Mapping
 from typing import Any
 
+import anyio.abc
 from anyio.abc import ByteSendStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -33,6 +35,7 @@ __all__ = [
     "default_address",
     "encode",
     "encode_error",
+    "peer",
     "receive",
     "resolve_address",
     "send",
@@ -69,6 +72,16 @@ def resolve_address(address: str | os.PathLike[str] | None) -> str:
     if not path:
         raise _errors.InvalidArgument("address must be a socket path, got an empty string")
     return path
+
+
+def peer(stream: anyio.abc.SocketStream) -> tuple[int | None, int | None]:
+    """The peer's uid and pid (``SO_PEERCRED``), or ``None``s where the platform has none."""
+    peercred = getattr(socket, "SO_PEERCRED", None)
+    if peercred is None:
+        return None, None
+    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    pid, uid, _gid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, peercred, 12))
+    return uid, pid
 
 
 def encode(message: Mapping[str, Any]) -> bytes:
