@@ -19,6 +19,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+import cachebroker
 from cachebroker import (
     AcquireTimeout,
     Broker,
@@ -27,8 +28,10 @@ from cachebroker import (
     RequestTooLarge,
 )
 from cachebroker._remote import _protocol as wire
+from cachebroker._remote import _serve
 from cachebroker._remote._client import ClientRunner, Link
 from cachebroker._remote._daemon import Daemon, DaemonBroker
+from cachebroker.probes import NvidiaGPU, SystemMemory
 
 pytestmark = pytest.mark.anyio
 
@@ -61,6 +64,10 @@ def link_of(broker: Broker) -> Link | None:
     runner = broker._runner
     assert isinstance(runner, ClientRunner)
     return runner.link
+
+
+def states(daemon: Daemon) -> list[str]:
+    return [entry["state"] for entry in daemon.listing()["entries"]]
 
 
 def used(daemon: Daemon, space: str = "m") -> int:
@@ -370,3 +377,133 @@ def test_the_protocol_refuses_what_is_not_a_message() -> None:
         wire.resolve_address("")
     with pytest.raises(TypeError):
         wire.resolve_address(3)  # type: ignore[arg-type]
+
+
+async def test_a_client_refuses_a_socket_served_by_another_user(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with serving() as daemon:
+        monkeypatch.setattr(wire, "peer", lambda stream: (os.getuid() + 1, 1))
+        with pytest.raises(BrokerClosed, match="served by user"):
+            async with Broker.connect(daemon.address):
+                pass
+        monkeypatch.undo()
+        async with Broker.connect(daemon.address) as broker:  # the daemon goes on
+            async with broker.cache("w", Plugin()) as cache:
+                async with cache.acquire("a", load=value(1), size=1) as lease:
+                    assert lease.value == 1
+
+
+async def test_a_release_never_acknowledged_is_quarantined_in_both_books_until_forgotten() -> None:
+    async with serving(release_timeout=0.2) as daemon:
+        async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
+            stuck = Plugin()
+            stuck.gate = anyio.Event()
+            async with one.cache("w", stuck) as c1, two.cache("w", Plugin()) as c2:
+                async with c1.acquire("a", load=value(1), size=60):
+                    pass
+                # b needs a's bytes; a's release hangs in its process, and times out:
+                # quarantined bytes come back only through forget().
+                with pytest.raises(cachebroker.OutOfSpace, match="quarantined"):
+                    await c2.acquire("b", load=value(2), size=60, timeout=0.5)
+                await until(
+                    lambda: [e["state"] for e in daemon.listing()["entries"]] == ["quarantined"]
+                )
+                assert (await one.stats()).quarantined_keys == (("w", "a"),)
+                assert used(daemon) == 60  # nobody knows whether a's memory came back
+                assert await one.forget("w", "a") == 1
+                await until(lambda: used(daemon) == 0)
+                async with c2.acquire("b", load=value(2), size=60, timeout=5) as lease:
+                    assert lease.value == 2
+                stuck.gate.set()
+                daemon.runner.core.check()
+
+
+async def test_a_cache_closed_with_leases_outstanding_keeps_their_bytes_charged_everywhere() -> (
+    None
+):
+    async with serving(release_timeout=0.1) as daemon:
+        async with Broker.connect(daemon.address) as broker:
+            block = broker.cache("w", Plugin())
+            cache = await block.__aenter__()
+            lease = await cache.acquire("a", load=value(1), size=30)
+            with pytest.raises(cachebroker.LeasesOutstanding):
+                await block.__aexit__(None, None, None)
+            await until(
+                lambda: [e["state"] for e in daemon.listing()["entries"]] == ["quarantined"]
+            )
+            assert used(daemon) == 30
+            assert lease.value == 1
+            await lease.release()
+            assert await broker.forget("w", "a") == 1
+            await until(lambda: used(daemon) == 0)
+
+
+def test_serve_reads_the_system_memory_probe_with_its_headroom() -> None:
+    spaces = _serve.parse_budget_spec("ram=system-4GiB,vram=1GiB")
+    assert isinstance(spaces, dict) and spaces["vram"] == 1 << 30
+    ram = spaces["ram"]
+    assert isinstance(ram, SystemMemory) and ram.headroom == 4 << 30
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("24GiB", 24 << 30),
+        ("m=1GiB, n=2KiB", {"m": 1 << 30, "n": 2048}),
+    ],
+)
+def test_serve_reads_budgets_as_the_environment_does(raw: str, expected: object) -> None:
+    assert _serve.parse_budget_spec(raw) == expected
+
+
+def test_serve_reads_probed_spaces_with_their_headroom() -> None:
+    pytest.importorskip("pynvml")
+    spaces = _serve.parse_budget_spec("ram=system-4GiB,cuda:1=nvidia:1-1GiB,x=nvidia")
+    assert isinstance(spaces, dict)
+    ram, gpu, default = spaces["ram"], spaces["cuda:1"], spaces["x"]
+    assert isinstance(ram, SystemMemory) and ram.headroom == 4 << 30
+    assert isinstance(gpu, NvidiaGPU) and gpu.headroom == 1 << 30 and gpu.name == "cuda:1"
+    assert isinstance(default, NvidiaGPU) and default.name == "cuda:0"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("", "empty"),
+        ("m=", "SPACE=AMOUNT"),
+        ("m=1GiB,m=2GiB", "twice"),
+        ("m=nvidia:x", "nvidia:INDEX"),
+        ("m=lots", "m"),
+    ],
+)
+def test_serve_says_what_is_wrong_with_a_budget(raw: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _serve.parse_budget_spec(raw)
+
+
+async def test_a_peer_that_breaks_the_protocol_loses_only_its_own_connection() -> None:
+    async with serving() as daemon:
+        async with Broker.connect(daemon.address) as broker:
+            async with broker.cache("w", Plugin()) as cache:
+                held = await cache.acquire("a", load=value(1), size=10)
+                for garbage in (
+                    wire.encode({"op": "hello", "version": wire.VERSION})
+                    + wire.encode({"op": "acquire", "id": 1, "cache": "nope", "key": "k"}),
+                    wire.encode({"op": "hello", "version": wire.VERSION})
+                    + wire.encode({"op": "report", "id": "x", "state": "held"}),
+                    wire.encode({"op": "hello", "version": 99}),
+                    b"\xff\xff\xff\xff",
+                    (5).to_bytes(4, "big") + b"[1,2]",
+                ):
+                    async with await anyio.connect_unix(daemon.address) as stream:
+                        await stream.send(garbage)
+                        with anyio.fail_after(5):
+                            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                                while await stream.receive():
+                                    pass  # the daemon answers, then closes this connection
+                async with cache.acquire("b", load=value(2), size=10) as lease:
+                    assert lease.value == 2
+                assert held.value == 1
+                await held.release()
+                await until(lambda: len(daemon.connections) == 1)

@@ -322,7 +322,7 @@ class Link:
             if now == "releasing":
                 message["reason"] = core.reasons.get(entry, Reason.CAPACITY).value
             elif now == "quarantined":
-                message["error"] = f"{entry.error!r:.500}"
+                message["error"] = f"{entry.error!s:.500}"
             if now == "gone":
                 self._forget(entry)
                 core.reasons.pop(entry, None)

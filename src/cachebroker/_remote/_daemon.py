@@ -64,14 +64,26 @@ class _Refused(BaseException):
         self.holder = holder
 
 
+class _FailedThere(Exception):
+    """The release failed in the owner's process: ``error`` says so, as the books will."""
+
+    def __init__(self, error: ReleaseFailed) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class DaemonRunner(Runner):
-    """The daemon's runner: a release the owner refused gives the entry back its lease."""
+    """The daemon's runner: a refused release gives the entry back its lease."""
 
     __slots__ = ()
 
     def _release_failed(self, entry: Entry, exc: BaseException) -> bool:
         if isinstance(exc, _Refused):
             self.core.release_refused(entry, exc.holder)
+            self.emit("info", ev.RELEASE_REFUSED, cache=entry.owner.name, key=entry.key)
+            return False
+        if isinstance(exc, _FailedThere):
+            self.core.release_failed(entry, exc.error)
             return False
         return super()._release_failed(entry, exc)
 
@@ -167,6 +179,8 @@ class Connection:
         self.pid = pid
         self.holder = _Holder(pid)
         self.caches: dict[str, _Space] = {}
+        #: Every cache it opened, closed ones too (their quarantined entries stay theirs).
+        self.opened: list[_Space] = []
         self.mirrors: dict[int, _Mirror] = {}
         self.outbox: list[dict[str, Any]] = []
         self.wake = anyio.Event()
@@ -216,6 +230,7 @@ class Connection:
         if not cache or cache in self.caches:
             raise ProtocolError(f"cache {cache!r} is opened twice or has no name")
         space = self.caches[cache] = _Space(self.daemon.owner_name(cache, self))
+        self.opened.append(space)
         assert self.tg is not None
         await self.tg.start(self._run_cache, cache, space)
 
@@ -236,8 +251,8 @@ class Connection:
             with contextlib.suppress(LeasesOutstanding):  # (quarantined: the books say so)
                 await self.runner.close_block(block, None, None, None)
         finally:
-            self.daemon.owners.pop(block.owner, None)
-            self.daemon.names.discard(space.name)
+            if self.daemon.connections.get(self.serial) is not self:
+                self.daemon.forget(block.owner, space.name)  # the connection ended
 
     def acquire(self, message: dict[str, Any]) -> None:
         id = wire.field(message, "id", int)
@@ -375,8 +390,11 @@ class Connection:
                 self.mirrors.pop(mirror.id, None)
                 return
             if state == "quarantined":
-                raise ReleaseFailed(
-                    f"releasing {key!r} failed in process {self.pid}: {mirror.error}"
+                name = mirror.space.name
+                raise _FailedThere(
+                    ReleaseFailed(
+                        f"releasing {name}:{key!r} failed in process {self.pid}: {mirror.error}"
+                    )
                 )
             if state == "held":
                 mirror.held, mirror.holder = True, self.holder
@@ -395,7 +413,7 @@ class Connection:
                 count += 1
                 for name, amount in entry.charge.items():
                     freed[name] = freed.get(name, 0) + amount
-        for space in self.caches.values():
+        for space in self.opened:
             if space.block is not None:
                 core.drop_owner(space.block.owner)
         for mirror in self.mirrors.values():
@@ -434,6 +452,11 @@ class Daemon:
         #: The owner names in use.
         self.names: set[str] = set()
         self._serials = itertools.count(1)
+
+    def forget(self, owner: Any, name: str) -> None:
+        """A connection's cache is gone from the books: its name may be used again."""
+        self.owners.pop(owner, None)
+        self.names.discard(name)
 
     def owner_name(self, cache: str, connection: Connection) -> str:
         """The name of ``connection``'s cache ``cache`` in the books: ``cache@pid``, made unique."""
@@ -489,6 +512,9 @@ class Daemon:
                 log.emit("error", ev.PEER_FAILED, address=self.address, pid=pid, error=repr(exc))
             finally:
                 del self.connections[connection.serial]
+                for space in connection.opened:
+                    if space.block is not None and space.closed.is_set():
+                        self.forget(space.block.owner, space.name)
 
     async def _serve(self, connection: Connection, reader: BufferedByteReceiveStream) -> None:
         log = self.runner
