@@ -24,8 +24,9 @@
 The daemon runs in a subprocess by default (``--daemon subprocess``: the daemon
 does not share this process's event loop or GIL, as with ``cachebroker serve``;
 it is this script in its daemon role, which counts the messages it sends and
-receives); ``--daemon in-loop`` runs it in this process's loop instead. The
-daemon and the clients log nothing below WARNING, as the in-process broker.
+receives); ``--daemon in-loop`` runs it in this process's loop instead. The helper
+processes (daemon, holder, contention clients) run on ``--backend`` as this one
+does, and log nothing below WARNING, as the in-process broker.
 
     python benchmarks/remote.py [--quick] [--daemon subprocess|in-loop] [--calls N]
         [--rounds R] [--misses N] [--processes 3] [--tasks 1000] [--per-task 20]
@@ -202,8 +203,12 @@ class Helper:
 
 
 @asynccontextmanager
-async def helper(role: str, socket: str, *extra: str) -> AsyncIterator[Helper]:
-    command = [sys.executable, SCRIPT, "--role", role, "--socket", socket, *extra]
+async def helper(
+    args: argparse.Namespace, role: str, socket: str, *extra: str
+) -> AsyncIterator[Helper]:
+    """This script in ``role``, on the same event loop kind as the driver."""
+    command = [sys.executable, SCRIPT, "--role", role, "--socket", socket]
+    command += ["--backend", args.backend, *extra]
     process = await anyio.open_process(command, stderr=None)
     try:
         proc = Helper(process)
@@ -245,7 +250,7 @@ async def daemon(args: argparse.Namespace, budget: int) -> AsyncIterator[tuple[s
     socket = os.path.join(directory, "broker.sock")
     try:
         if args.daemon == "subprocess":
-            async with helper("daemon", socket, "--budget", str(budget)) as proc:
+            async with helper(args, "daemon", socket, "--budget", str(budget)) as proc:
                 yield socket, DaemonHandle(proc, None)
         else:
             from cachebroker._remote._daemon import Daemon, DaemonBroker
@@ -419,7 +424,7 @@ async def miss_connected(args: argparse.Namespace) -> dict[str, Any]:
     n = args.misses
     async with daemon(args, 1) as (socket, handle):
         async with (
-            helper("holder", socket) as holder,
+            helper(args, "holder", socket) as holder,
             cachebroker.Broker.connect(socket) as broker,
             broker.cache("driver", release) as cache,
         ):
@@ -458,7 +463,7 @@ async def contention(args: argparse.Namespace) -> dict[str, Any]:
             ready = anyio.Event()
 
             async def client(index: int) -> None:
-                async with helper("worker", socket, *extra, "--seed", str(index)) as proc:
+                async with helper(args, "worker", socket, *extra, "--seed", str(index)) as proc:
                     procs.append(proc)
                     if len(procs) == args.processes:
                         ready.set()
@@ -599,11 +604,11 @@ def main() -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    backend, options = BACKENDS[args.backend]
     if args.role is not None:
         roles = {"daemon": role_daemon, "holder": role_holder, "worker": role_worker}
-        anyio.run(roles[args.role], args)
+        anyio.run(roles[args.role], args, backend=backend, backend_options=options)
         return 0
-    backend, options = BACKENDS[args.backend]
     result = anyio.run(run, args, backend=backend, backend_options=options)
     if args.json:
         json.dump(result, sys.stdout, indent=2)
