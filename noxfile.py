@@ -61,5 +61,5 @@ def torch(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run the benchmarks against the peers, in one process each."""
     session.install("-e", ".[bench,sim]")
-    for script in ("hit_path", "scaling", "contention", "policies", "replay", "soak"):
+    for script in ("hit_path", "scaling", "contention", "remote", "policies", "replay", "soak"):
         session.run("python", f"benchmarks/{script}.py", *session.posargs)
