@@ -30,7 +30,7 @@ from cachebroker import (
 from cachebroker._remote import _protocol as wire
 from cachebroker._remote import _serve
 from cachebroker._remote._client import ClientRunner, Link
-from cachebroker._remote._daemon import Daemon, DaemonBroker
+from cachebroker._remote._daemon import Connection, Daemon, DaemonBroker
 from cachebroker.probes import NvidiaGPU, SystemMemory
 
 pytestmark = pytest.mark.anyio
@@ -43,12 +43,14 @@ async def serving(**settings: Any) -> AsyncIterator[Daemon]:
     settings.setdefault("budget", {"m": 100})
     daemon = Daemon(DaemonBroker(**settings), os.path.join(directory, "s.sock"))
     try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(daemon.run)
-            try:
-                yield daemon
-            finally:
-                tg.cancel_scope.cancel()
+        # (bounded: a test that would hang fails instead)
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                await tg.start(daemon.run)
+                try:
+                    yield daemon
+                finally:
+                    tg.cancel_scope.cancel()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -196,11 +198,21 @@ async def test_errors_from_the_daemon_name_the_cache_and_key_and_are_the_brokers
                     await cache.acquire("huge", load=value(1), size=1000)
                 assert too_large.value.entry == "speech:'huge'"
                 assert "speech:'huge'" in str(too_large.value) and "@" not in str(too_large.value)
-                async with cache.acquire("a", load=value(1), size=80):
-                    with pytest.raises(AcquireTimeout) as timed_out:
+                outcome: list[BaseException] = []
+
+                async def wait_for_b() -> None:  # (another task: no deadlock)
+                    try:
                         await cache.acquire("b", load=value(2), size=80, timeout=0.05)
-                assert timed_out.value.waiting_for == "space"
-                assert daemon.address in str(timed_out.value)
+                    except AcquireTimeout as exc:
+                        outcome.append(exc)
+
+                async with cache.acquire("a", load=value(1), size=80):
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(wait_for_b)
+                (timed_out,) = outcome
+                assert isinstance(timed_out, AcquireTimeout)
+                assert timed_out.waiting_for == "space"
+                assert daemon.address in str(timed_out)
                 await until(lambda: not daemon.runner.core.queue)
                 assert used(daemon) == 80
 
@@ -218,8 +230,13 @@ async def test_a_cancelled_request_leaves_nothing_in_the_daemons_books() -> None
         async with Broker.connect(daemon.address) as broker:
             async with broker.cache("w", Plugin()) as cache:
                 held = await cache.acquire("a", load=value(1), size=90)
-                with anyio.move_on_after(0.05):
-                    await cache.acquire("b", load=value(2), size=50)
+
+                async def give_up_on_b() -> None:  # (another task: no deadlock)
+                    with anyio.move_on_after(0.05):
+                        await cache.acquire("b", load=value(2), size=50)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(give_up_on_b)
                 await until(lambda: not daemon.runner.core.queue)
                 await held.release()
                 async with cache.acquire("b", load=value(2), size=50) as lease:
@@ -507,3 +524,65 @@ async def test_a_peer_that_breaks_the_protocol_loses_only_its_own_connection() -
                 assert held.value == 1
                 await held.release()
                 await until(lambda: len(daemon.connections) == 1)
+
+
+async def test_a_task_waiting_on_its_own_leases_gets_deadlock_error_as_in_process() -> None:
+    async with serving() as daemon:
+        async with Broker.connect(daemon.address) as broker:
+            async with broker.cache("w", Plugin()) as cache:
+                async with cache.acquire("a", load=value(1), size=60):
+                    with pytest.raises(cachebroker.DeadlockError, match=r"w:'a'") as caught:
+                        await cache.acquire("b", load=value(2), size=60)
+                    assert "@" not in str(caught.value)
+                    # Another task's lease is no deadlock: that request waits for it.
+                    outcome: list[BaseException] = []
+
+                    async def other() -> None:
+                        try:
+                            await cache.acquire("c", load=value(3), size=60, timeout=0.1)
+                        except AcquireTimeout as exc:
+                            outcome.append(exc)
+
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(other)
+                    assert [type(exc) for exc in outcome] == [AcquireTimeout]
+                await until(lambda: used(daemon) == 60)
+                daemon.runner.core.check()
+
+
+async def test_ps_shows_pinned_entries_and_stats_follow_the_daemons_budget() -> None:
+    async with serving() as daemon:
+        async with Broker.connect(daemon.address) as broker:
+            async with broker.cache("w", Plugin()) as cache:
+                async with cache.acquire("a", load=value(1), size=10, pin=True):
+                    pass
+                await until(lambda: [e["pinned"] for e in daemon.listing()["entries"]] == [True])
+                assert [e["leases"] for e in daemon.listing()["entries"]] == [1]
+                daemon.runner.core.set_capacity("m", 80)
+                daemon.runner.apply()
+                assert (await broker.stats()).budget == {"m": 80}
+
+
+async def test_a_release_the_daemon_asked_for_is_answered_by_its_outcome_alone() -> None:
+    async with serving() as daemon:
+        received: list[str] = []
+        original = Connection.report
+
+        def report(connection: Connection, message: dict[str, Any]) -> None:
+            received.append(message["state"])
+            original(connection, message)
+
+        Connection.report = report  # type: ignore[method-assign]
+        try:
+            async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
+                async with one.cache("w", Plugin()) as c1, two.cache("w", Plugin()) as c2:
+                    async with c1.acquire("a", load=value(1), size=60):
+                        pass
+                    await until(lambda: received[-1:] == ["idle"])
+                    async with c2.acquire("b", load=value(2), size=60):
+                        pass
+                    await until(lambda: used(daemon) == 60 and "gone" in received)
+                    # a went idle, then gone: no "releasing" between, since the daemon asked.
+                    assert "releasing" not in received
+        finally:
+            Connection.report = original  # type: ignore[method-assign]

@@ -273,6 +273,7 @@ class Core:
         cost: float | None = None,
         loading: tuple[Entry, ...] = (),
         urgent: bool = False,
+        held: tuple[Entry, ...] | None = None,
     ) -> Ticket:
         """Ask for ``key`` on behalf of ``task``; returns a ticket to wait on.
 
@@ -291,7 +292,8 @@ class Core:
         it is may be waiting for that loader's reservation or that lease.
         ``loading`` names the entries whose loader makes this request;
         ``urgent`` says the same of a request relayed from another process
-        (whose loaders and leases these books do not see).
+        (whose loaders and leases these books do not see), and ``held`` names
+        the entries its task leases there, for deadlock detection.
 
         Raises:
             RequestTooLarge: ``need`` exceeds a space's whole budget.
@@ -323,7 +325,7 @@ class Core:
             if self.canon:
                 need = canonical(self.canon, need)
             self._check_fit(owner, key, need)
-            mine = self._leased_by(task, need, queued=bool(self.queue))
+            mine = self._leased_by(task, need, queued=bool(self.queue), held=held)
             self._check_deadlock(owner, key, need, mine)
             urgent = unknown and (urgent or bool(loading) or self._holds_any(task))
             entry = self._create(owner, key, need, unknown=unknown, urgent=urgent)
@@ -334,10 +336,14 @@ class Core:
             if entry.gated and (loading or self._holds_any(task)):
                 self._hurry(entry)
             waiting = entry.state is State.WAITING
-            mine = self._leased_by(task, entry.need, queued=len(self.queue) > 1) if waiting else []
+            mine = (
+                self._leased_by(task, entry.need, queued=len(self.queue) > 1, held=held)
+                if waiting
+                else []
+            )
             self._check_deadlock(owner, key, entry.need, mine)
             self._count_request(entry)
-        ticket = Ticket(entry, task, loading)
+        ticket = Ticket(entry, task, loading, held)
         entry.joiners.append(ticket)
         if loading:
             for outer in loading:
@@ -459,9 +465,18 @@ class Core:
         """Whether ``task`` holds a lease (on anything)."""
         return any(task in entry.holders for entry in self.busy)
 
-    def _leased_by(self, task: object, need: Mapping[str, int], *, queued: bool) -> list[Entry]:
+    def _leased_by(
+        self,
+        task: object,
+        need: Mapping[str, int],
+        *,
+        queued: bool,
+        held: tuple[Entry, ...] | None = None,
+    ) -> list[Entry]:
         """The entries ``task`` holds leases on in the spaces of ``need``.
 
+        ``held``: those of a request relayed from another process (its task's
+        leases there), instead of looking for ``task`` among the holders.
         Only wanted when the request may wait: it does not fit now (deadlock
         detection), or others are queued ahead of it (it may have to pass them).
         """
@@ -469,6 +484,14 @@ class Core:
             return []
         if not queued and all(self.spaces[s].fits(n) for s, n in need.items()):
             return []
+        if held is not None:
+            return [
+                entry
+                for entry in held
+                if entry.leases
+                and entry.state is State.READY
+                and not entry.charge.keys().isdisjoint(need)
+            ]
         return [
             entry
             for entry in self.busy

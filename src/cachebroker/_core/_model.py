@@ -119,11 +119,20 @@ class Ticket:
     it, or the exception it must raise.
     """
 
-    __slots__ = ("entry", "holds", "loading", "outcome", "task")
+    __slots__ = ("entry", "held", "holds", "loading", "outcome", "task")
 
-    def __init__(self, entry: Entry, task: object, loading: tuple[Entry, ...] = ()) -> None:
+    def __init__(
+        self,
+        entry: Entry,
+        task: object,
+        loading: tuple[Entry, ...] = (),
+        held: tuple[Entry, ...] | None = None,
+    ) -> None:
         self.entry = entry
         self.task = task
+        #: For a request relayed from another process: the entries its task
+        #: leases there (the books see only that the process leases them).
+        self.held = held
         self.outcome: bool | BaseException | None = None
         #: The entries whose loader made this request (it runs inside their load).
         self.loading = loading

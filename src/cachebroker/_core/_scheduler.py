@@ -148,7 +148,7 @@ def refuse_self_waits(books: Core) -> None:
     """
     for entry in [e for e in books.queue if e.holding]:
         for ticket in [t for t in entry.joiners if t.holds]:
-            mine = books._leased_by(ticket.task, entry.need, queued=True)
+            mine = books._leased_by(ticket.task, entry.need, queued=True, held=ticket.held)
             error = mine and books._waits_on_itself(
                 entry.owner, entry.key, entry.need, mine, now=False
             )

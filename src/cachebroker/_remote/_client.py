@@ -158,11 +158,15 @@ class ClientBooks(Core):
         self.changed(entry)
 
 
+#: Reports of an entry on its way out, which say why (``reason``).
+_LETTING_GO = frozenset({"releasing", "quarantined", "gone"})
+
+
 def _report(entry: Entry) -> str:
     """What the daemon is to know of ``entry`` now."""
     state = entry.state
     if state is State.READY:
-        return "held" if entry.leases or entry.pinned else "idle"
+        return "held" if entry.leases else "pinned" if entry.pinned else "idle"
     if state is State.LOADING or state is State.WAITING:
         return "loading"
     return str(state.value)  # releasing, quarantined, gone
@@ -202,6 +206,9 @@ class Link:
         self.told: dict[Entry, str | None] = {}
         self.admitting: dict[int, _Admission] = {}
         self.dirty: dict[Entry, None] = {}
+        #: Entries whose release the daemon asked for, and not yet told "releasing"
+        #: (it need not be: the daemon waits for "gone" or "quarantined").
+        self.asked: dict[Entry, bool] = {}
         self.outbox: list[dict[str, Any]] = []
         self.wake = anyio.Event()
         self._waking = False
@@ -319,13 +326,19 @@ class Link:
             message: dict[str, Any] = {"op": "report", "id": self.ids[entry], "state": now}
             if told == "loading":
                 message["charge"] = core.charges.pop(entry, None)
-            if now == "releasing":
-                message["reason"] = core.reasons.get(entry, Reason.CAPACITY).value
-            elif now == "quarantined":
+            if now in _LETTING_GO:
+                reason = core.reasons.get(entry)
+                if reason is not None:
+                    message["reason"] = reason.value
+                if now == "releasing" and self.asked.pop(entry, False):
+                    self.told[entry] = now  # the daemon asked for it: it knows
+                    continue
+            if now == "quarantined":
                 message["error"] = f"{entry.error!s:.500}"
             if now == "gone":
                 self._forget(entry)
                 core.reasons.pop(entry, None)
+                self.asked.pop(entry, None)
             else:
                 self.told[entry] = now
             self.outbox.append(message)
@@ -390,6 +403,8 @@ class Link:
             return
         runner = self.runner
         if runner.core.give_up(entry):
+            if entry.state is State.RELEASING and self.told.get(entry) != "releasing":
+                self.asked[entry] = True
             runner.apply()
         # The answer is the entry's next report: releasing then gone, or held (refused).
         self.mark(entry)
@@ -411,6 +426,14 @@ class Link:
         self.told[entry] = None
         core = self.runner.core
         unknown = entry.unknown
+        # What the requesting task leases here: the daemon refuses a request that
+        # only those leases could make room for (DeadlockError), as in-process.
+        task = entry.joiners[0].task if entry.joiners else None
+        holding = [
+            self.ids[held]
+            for held in core.busy
+            if held.leases and task in held.holders and held in self.ids
+        ]
         self.post(
             {
                 "op": "acquire",
@@ -422,6 +445,7 @@ class Link:
                 # A load of unknown size let past these books' gate (from inside a
                 # loader, or by a task holding a lease) must pass the daemon's too.
                 "urgent": unknown and entry is not core._unknown,
+                "holding": holding,
             }
         )
 
@@ -475,7 +499,13 @@ class ClientRunner(Runner):
 
     __slots__ = ("address", "link")
 
-    def __init__(self, address: str, *, logger: object) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        logger: object,
+        oom_errors: tuple[type[BaseException], ...] = (),
+    ) -> None:
         super().__init__(
             ClientBooks({}, None),
             budget={},
@@ -486,7 +516,7 @@ class ClientRunner(Runner):
             lease_warning=60.0,
             memory_wait=None,
             probe_interval=None,
-            oom_errors=oom_error_types(()),
+            oom_errors=oom_errors or oom_error_types(()),
             oom_retries=8,
             alias_threshold=3,
             clock=None,
@@ -570,6 +600,11 @@ class ClientRunner(Runner):
         if self.link is None:
             return None
         totals = await self.link.fetch_totals()
-        used = None if totals is None else wire.charge(totals, "used")
-        self.shared_used = used
+        if totals is None:
+            self.shared_used = None
+            return None
+        used = self.shared_used = wire.charge(totals, "used")
+        budget = wire.charge(totals, "budget") or {}
+        for name, space in self.core.spaces.items():  # probed spaces move
+            space.budget = budget.get(name, space.budget)
         return used

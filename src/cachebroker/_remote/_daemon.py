@@ -27,6 +27,7 @@ import contextlib
 import functools
 import itertools
 import os
+import stat
 from typing import Any
 
 import anyio
@@ -38,6 +39,7 @@ from .._core import Entry, Reason, State
 from .._errors import InvalidArgument, LeasesOutstanding, LoadFailed, ReleaseFailed
 from .._shell._actor import Block
 from .._shell._broker import Broker
+from .._shell._config import positive_seconds
 from .._shell._runner import Runner
 from . import _protocol as wire
 from ._protocol import ProtocolError
@@ -48,7 +50,10 @@ __all__ = ["Daemon", "DaemonBroker"]
 HELLO_TIMEOUT = 10.0
 
 #: What a process's report may say of its entry.
-_REPORTS = frozenset({"held", "idle", "releasing", "quarantined", "gone"})
+_REPORTS = frozenset({"held", "pinned", "idle", "releasing", "quarantined", "gone"})
+
+#: Reports that hold the entry (leased, or pinned): it is no victim.
+_HOLDING = frozenset({"held", "pinned"})
 
 _REASONS = {reason.value: reason for reason in Reason}
 
@@ -89,9 +94,19 @@ class DaemonRunner(Runner):
 
 
 class DaemonBroker(Broker):
-    """The broker the daemon runs (``DaemonRunner``)."""
+    """The broker the daemon runs (``DaemonRunner``).
+
+    Its ``idle_ttl`` is the processes' default, not a timer of its own: each
+    process runs its entries' idle timers, so that an entry's own
+    ``acquire(idle_ttl=...)`` wins there as in-process.
+    """
 
     _Runner = DaemonRunner
+
+    def __init__(self, budget: Any, *, idle_ttl: float | None = None, **settings: Any) -> None:
+        super().__init__(budget, **settings)
+        #: What the processes take as their default idle TTL (``welcome``).
+        self.idle_ttl = positive_seconds(idle_ttl, "idle_ttl", inf_is_none=True)
 
 
 class _Key:
@@ -134,6 +149,7 @@ class _Mirror:
         "reason",
         "reported",
         "scope",
+        "settled",
         "space",
         "state",
     )
@@ -155,6 +171,8 @@ class _Mirror:
         self.holder: object = None
         self.scope: anyio.CancelScope | None = None
         self.cancelled = False
+        #: Set once the daemon's request for it is over: loaded, failed or withdrawn.
+        self.settled = anyio.Event()
 
 
 class _Space:
@@ -265,9 +283,15 @@ class Connection:
         space = self.caches.get(cache)
         if space is None or space.block is None or id in self.mirrors:
             raise ProtocolError(f"'acquire' of #{id} in cache {cache!r}, which is not open")
+        holding = message.get("holding", [])
+        if not isinstance(holding, list) or not all(type(i) is int for i in holding):
+            raise ProtocolError(f"'acquire' message: 'holding' is {holding!r}")
+        held = tuple(mirror for mirror in map(self.mirrors.get, holding) if mirror is not None)
         mirror = self.mirrors[id] = _Mirror(id, key, space)
         assert self.tg is not None
-        self.tg.start_soon(self._acquire, mirror, cache, need, cost, bool(message.get("urgent")))
+        self.tg.start_soon(
+            self._acquire, mirror, cache, need, cost, bool(message.get("urgent")), held
+        )
 
     async def _acquire(
         self,
@@ -276,6 +300,7 @@ class Connection:
         need: dict[str, int] | None,
         cost: float | None,
         urgent: bool,
+        holding: tuple[_Mirror, ...],
     ) -> None:
         block = mirror.space.block
         assert block is not None
@@ -283,6 +308,12 @@ class Connection:
             mirror.scope = scope
             if mirror.cancelled:
                 scope.cancel()
+            # The entries the requesting task leases may still be settling here
+            # (their loads' reports came in the same batch): wait for them, so
+            # that a request only those leases could make room for is refused.
+            for other in holding:
+                await other.settled.wait()
+            held = tuple(other.entry for other in holding if other.entry is not None)
             try:
                 entry, task = await self.runner.request(
                     block.owner,
@@ -293,18 +324,22 @@ class Connection:
                     cost,
                     None,
                     urgent=urgent,
+                    held=held,
                 )
             except Exception as exc:
                 self.mirrors.pop(mirror.id, None)
+                mirror.settled.set()
                 if not mirror.cancelled:
                     error = wire.encode_error(exc, block.owner.name, cache)
                     self.post({"op": "fail", "id": mirror.id, "error": error})
                 return
         if scope.cancelled_caught:
+            mirror.settled.set()
             return
         mirror.entry = entry
         mirror.held = True
         mirror.holder = task
+        mirror.settled.set()
         self.reconcile(mirror)
 
     async def _load(self, mirror: _Mirror) -> dict[str, int]:
@@ -326,6 +361,7 @@ class Connection:
             self.mirrors.pop(id, None)
             if mirror.scope is not None:
                 mirror.scope.cancel()
+            mirror.settled.set()
             mirror.state = "gone"
             self._wake(mirror)
         else:
@@ -343,9 +379,9 @@ class Connection:
         if mirror.state == "loading":
             mirror.charge = wire.charge(message, "charge")
         mirror.state = state
-        if state == "releasing":
-            mirror.reason = _REASONS.get(str(message.get("reason")), Reason.CAPACITY)
-        elif state == "quarantined":
+        if "reason" in message:
+            mirror.reason = _REASONS.get(str(message["reason"]), Reason.CAPACITY)
+        if state == "quarantined":
             mirror.error = str(message.get("error", ""))
         self.reconcile(mirror)
 
@@ -356,10 +392,10 @@ class Connection:
         state = mirror.state
         if entry is not None:
             if entry.state is State.READY:
-                if state == "held" and not mirror.held:
+                if state in _HOLDING and not mirror.held:
                     core.hit(entry, self.holder)
                     mirror.held, mirror.holder = True, self.holder
-                elif state != "held" and mirror.held:
+                elif state not in _HOLDING and mirror.held:
                     mirror.held = False
                     core.lease_end(entry, mirror.holder, self.runner.clock())
                     if not entry.leases:
@@ -396,7 +432,7 @@ class Connection:
                         f"releasing {name}:{key!r} failed in process {self.pid}: {mirror.error}"
                     )
                 )
-            if state == "held":
+            if state in _HOLDING:
                 mirror.held, mirror.holder = True, self.holder
                 raise _Refused(self.holder)
             await mirror.reported.wait()
@@ -419,6 +455,7 @@ class Connection:
         for mirror in self.mirrors.values():
             mirror.cancelled = True
             mirror.state = "gone"
+            mirror.settled.set()
             self._wake(mirror)
         runner.apply()
         for space in self.caches.values():
@@ -499,7 +536,9 @@ class Daemon:
                     return
                 claimed = hello.get("pid")
                 pid = pid if pid is not None else claimed if isinstance(claimed, int) else 0
-            except (ProtocolError, TimeoutError, anyio.EndOfStream, anyio.IncompleteRead) as exc:
+            except (anyio.EndOfStream, anyio.IncompleteRead):
+                return  # it closed without a word (another daemon checking the socket is live)
+            except (ProtocolError, TimeoutError) as exc:
                 log.emit("error", ev.PEER_FAILED, address=self.address, pid=pid, error=repr(exc))
                 return
             connection = Connection(self, stream, next(self._serials), pid)
@@ -543,7 +582,7 @@ class Daemon:
         return {
             "pid": os.getpid(),
             "budget": {name: space.budget for name, space in runner.core.spaces.items()},
-            "idle_ttl": runner.idle_ttl,
+            "idle_ttl": self.broker.idle_ttl,
             "release_timeout": runner.release_timeout,
         }
 
@@ -565,6 +604,8 @@ class Daemon:
                 continue
             connection, cache = found
             idle = entry.state is State.READY and not entry.leases
+            key = entry.key
+            mirror = connection.mirrors.get(key.id) if isinstance(key, _Key) else None
             entries.append(
                 {
                     "pid": connection.pid,
@@ -574,7 +615,7 @@ class Daemon:
                     "state": "waiting" if entry.state is State.WAITING else entry.state.value,
                     "leases": entry.leases,
                     "idle_seconds": round(max(0.0, now - entry.idle_since), 3) if idle else None,
-                    "pinned": entry.pinned,
+                    "pinned": mirror is not None and mirror.state == "pinned",
                 }
             )
         return {
@@ -600,11 +641,15 @@ async def _listen(address: str) -> anyio.abc.SocketListener:
             f"the socket's directory {directory} is writable by other users: "
             "choose a directory only you can write (--socket)"
         )
-    if os.path.exists(address):  # noqa: ASYNC240
-        owner = os.stat(address).st_uid
-        if owner != os.getuid():
+    if os.path.lexists(address):  # noqa: ASYNC240
+        found = os.lstat(address)
+        if not stat.S_ISSOCK(found.st_mode):
             raise InvalidArgument(
-                f"{address} belongs to user {owner}: another user's file is in the way; "
+                f"{address} exists and is not a socket: remove it or choose another path (--socket)"
+            )
+        if found.st_uid != os.getuid():
+            raise InvalidArgument(
+                f"{address} belongs to user {found.st_uid}: another user's socket is in the way; "
                 "remove it or choose another path (--socket)"
             )
         try:

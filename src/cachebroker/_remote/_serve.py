@@ -131,12 +131,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     daemon = Daemon(broker, address)
     try:
         anyio.run(_serve, daemon)
-    except BrokerError as exc:
-        print(f"cachebroker serve: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         pass
+    except BaseException as exc:
+        error = _broker_error(exc)
+        if error is None:
+            raise
+        print(f"cachebroker serve: error: {error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _broker_error(exc: BaseException) -> BrokerError | None:
+    """The ``BrokerError`` that stopped the daemon, out of the task groups that wrap it."""
+    if isinstance(exc, BrokerError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _broker_error(inner)
+            if found is not None:
+                return found
+    return None
 
 
 async def _serve(daemon: Daemon) -> None:

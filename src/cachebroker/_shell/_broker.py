@@ -178,7 +178,11 @@ class Broker:
 
     @classmethod
     def connect(
-        cls, address: str | os.PathLike[str] | None = None, *, logger: Any = None
+        cls,
+        address: str | os.PathLike[str] | None = None,
+        *,
+        logger: Any = None,
+        oom_errors: type[BaseException] | tuple[type[BaseException], ...] = (),
     ) -> Broker:
         """A broker backed by the machine's shared one (``cachebroker serve``).
 
@@ -199,10 +203,16 @@ class Broker:
         Args:
             address: The daemon's socket path.
             logger: As for ``Broker``.
+            oom_errors: As for ``Broker``: free and retry frees this process's
+                own idle entries.
         """
         from .._remote._client import ClientRunner  # (the transport, only when asked for)
 
-        runner = ClientRunner(_address(address), logger=_logging.check_logger(logger))
+        runner = ClientRunner(
+            _address(address),
+            logger=_logging.check_logger(logger),
+            oom_errors=oom_error_types(oom_errors),
+        )
         broker = cls.__new__(cls)
         broker._core = runner.core
         broker._runner = runner

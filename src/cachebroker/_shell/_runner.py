@@ -1113,11 +1113,13 @@ class Runner:
         timeout: float | None,
         *,
         urgent: bool = False,
+        held: tuple[Entry, ...] | None = None,
     ) -> tuple[Entry, object]:
         """Acquire ``key`` when it is not ready (a miss, or a join): the entry and its holder.
 
         ``Cache._acquire_slow`` checked the arguments and parsed ``need``;
-        ``urgent`` is for a request relayed from another process (``Core.request``).
+        ``urgent`` and ``held`` are for a request relayed from another process
+        (``Core.request``).
         """
         task = self.current_task()
         core = self.core
@@ -1127,7 +1129,7 @@ class Runner:
         if self._dropped:
             self._end_dropped()  # before their holder is taken to hold them still
         ticket = core.request(
-            owner, key, need, task, cost=cost, loading=_LOADING.get(), urgent=urgent
+            owner, key, need, task, cost=cost, loading=_LOADING.get(), urgent=urgent, held=held
         )
         entry = ticket.entry
         if entry.state is State.WAITING and task in self._releasing_tasks:
