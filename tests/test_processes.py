@@ -1,0 +1,291 @@
+"""Several real processes, one shared broker (``cachebroker serve``, ``Broker.connect``).
+
+The clients are subprocesses running ``tests/process_client.py`` (each on one
+of the three backends in turn), reporting what they do as JSON lines. The
+daemon runs as ``cachebroker serve`` in a subprocess where a test is about
+processes (kill -9, stopping it, the CLI), and in the test's own event loop
+(``serving``) where a test checks its books. Every wait is bounded by
+``anyio.fail_after``; every subprocess is killed when its test ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from cachebroker._remote._daemon import Daemon, DaemonBroker
+from tests.test_broker import wait_until
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="Unix sockets with SO_PEERCRED, /proc"
+    ),
+]
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+CLIENT = str(Path(__file__).with_name("process_client.py"))
+ENV = {**os.environ, "PYTHONPATH": SRC}
+
+#: The clients' event loops, in turn.
+CLIENT_BACKENDS = ("asyncio", "uvloop", "trio")
+
+#: A test whose daemon is a subprocess needs its own loop only to wait: one backend does.
+one_backend = pytest.mark.parametrize(
+    "anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")]
+)
+
+Line = dict[str, Any]
+
+
+class Proc:
+    """A subprocess whose stdout and stderr go to files the test reads."""
+
+    def __init__(self, name: str, argv: list[str], directory: Path) -> None:
+        self.name = name
+        self.out = directory / f"{name}.out"
+        self.err = directory / f"{name}.err"
+        with self.out.open("wb") as out, self.err.open("wb") as err:
+            self.popen = subprocess.Popen(argv, stdout=out, stderr=err, env=ENV)
+        self.pid = self.popen.pid
+
+    def lines(self) -> list[Line]:
+        """The JSON lines it printed so far (a line being written is left for later)."""
+        text = self.out.read_text()
+        return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+    def events(self, event: str, **fields: Any) -> list[Line]:
+        return [
+            line
+            for line in self.lines()
+            if line["event"] == event and all(line.get(k) == v for k, v in fields.items())
+        ]
+
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    async def wait_for(self, event: str, **fields: Any) -> Line:
+        """Its first line with ``event`` (and ``fields``); fails if it exits first."""
+        while True:
+            exited = self.popen.poll() is not None
+            found = self.events(event, **fields)
+            if found:
+                return found[0]
+            if exited:
+                raise AssertionError(
+                    f"{self.name} exited ({self.popen.returncode}) before {event} {fields}:\n"
+                    f"{self.out.read_text()}\n{self.stderr()[-3000:]}"
+                )
+            await anyio.sleep(0.005)
+
+    async def wait_in_stderr(self, text: str) -> None:
+        while text not in self.stderr():
+            if self.popen.poll() is not None:
+                raise AssertionError(f"{self.name} exited before {text!r}:\n{self.stderr()}")
+            await anyio.sleep(0.005)
+
+    async def exit(self) -> int:
+        """Wait for it to exit; its status."""
+        while (status := self.popen.poll()) is None:
+            await anyio.sleep(0.005)
+        return status
+
+    def kill(self, signum: int = signal.SIGKILL) -> None:
+        self.popen.send_signal(signum)
+
+    def rss(self) -> int:
+        """Its resident memory in bytes (``VmRSS``)."""
+        with open(f"/proc/{self.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError(f"no VmRSS for {self.name}")
+
+
+class Procs:
+    """The subprocesses of one test, in a short private directory (socket paths are short)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.signals = directory / "signals"
+        self.signals.mkdir()
+        self.socket = str(directory / "cb.sock")
+        self.procs: list[Proc] = []
+        self._backends = iter(CLIENT_BACKENDS * 100)
+
+    def spawn(self, name: str, argv: list[str]) -> Proc:
+        proc = Proc(name, argv, self.dir)
+        self.procs.append(proc)
+        return proc
+
+    async def daemon(self, budget: str, *options: str, name: str = "daemon") -> Proc:
+        """``cachebroker serve`` on ``self.socket``, once it listens."""
+        argv = [sys.executable, "-m", "cachebroker", "serve", "--socket", self.socket]
+        proc = self.spawn(name, [*argv, "--budget", budget, *options])
+        await proc.wait_in_stderr("cachebroker serve: listening on")
+        return proc
+
+    def client(self, name: str, config: Mapping[str, Any], backend: str | None = None) -> Proc:
+        """A ``process_client.py`` run of ``config``, on the next backend in turn."""
+        backend = backend or next(self._backends)
+        argv = [sys.executable, CLIENT, backend, self.socket, str(self.signals), json.dumps(config)]
+        return self.spawn(f"{name}-{backend}", argv)
+
+    def steps(self, name: str, *steps: Mapping[str, Any], **config: Any) -> Proc:
+        return self.client(name, {"mode": "steps", "steps": steps, **config})
+
+    def signal(self, name: str) -> None:
+        """Create the file a client's ``wait`` step waits for."""
+        (self.signals / name).touch()
+
+    def ps(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """``cachebroker ps`` (synchronous: the daemon must not be in this test's loop)."""
+        argv = [sys.executable, "-m", "cachebroker", "ps", *args]
+        return subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=30)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+            proc.popen.wait(timeout=30)
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    directory = Path(tempfile.mkdtemp(prefix="cb-", dir="/tmp"))
+    found = Procs(directory)
+    try:
+        yield found
+    finally:
+        found.close()
+        for proc in found.procs:  # (shown by pytest when the test failed)
+            print(f"--- {proc.name} (status {proc.popen.returncode}):\n{proc.stderr()[-2000:]}")
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def serving(address: str, budget: Any, **options: Any) -> AsyncIterator[Daemon]:
+    """A daemon in this test's event loop, whose books the test can read."""
+    uid = options.pop("uid", None)
+    daemon = Daemon(DaemonBroker(budget, **options), address, uid=uid)
+    async with anyio.create_task_group() as tg:
+        await tg.start(daemon.run)
+        yield daemon
+        tg.cancel_scope.cancel()
+
+
+def check_books(daemon: Daemon) -> None:
+    """The daemon's books add up, and no space holds more than its budget."""
+    core = daemon.runner.core
+    core.check()
+    for space in core.spaces.values():
+        assert space.used <= space.budget, (space.name, space.used, space.budget)
+
+
+def by_pid(daemon: Daemon) -> dict[int, Counter[str]]:
+    """The bytes the daemon's books charge to each process, per space."""
+    charged: dict[int, Counter[str]] = {}
+    for entry in daemon.listing()["entries"]:
+        charged.setdefault(entry["pid"], Counter()).update(entry["charge"])
+    return charged
+
+
+# ------------------------------------------------------------------ several processes
+
+RANDOM_BUDGET = {"a": 100, "b": 60}
+
+
+def replay_loads(lines: list[Line], budget: Mapping[str, int]) -> Counter[str]:
+    """Order every process's load and free lines by time; check the bytes loaded at once.
+
+    A loader starts only after the daemon granted its bytes, and a process
+    logs ``freed`` (or ``unload``) before it tells the daemon, so at every
+    point of this one timeline the bytes loaded and not yet freed must fit.
+    Returns what is still loaded at the end.
+    """
+    loaded: Counter[str] = Counter()
+    for line in sorted(lines, key=lambda line: line["t"]):
+        sign = 1 if line["event"] == "load" else -1
+        for space, amount in line["bytes"].items():
+            loaded[space] += sign * amount
+            assert 0 <= loaded[space] <= budget[space], (line, dict(loaded))
+    return loaded
+
+
+async def test_random_acquires_of_three_processes_share_one_budget(procs: Procs) -> None:
+    """Invariant: the daemon's books add up and stay within budget at every sample; the
+    bytes loaded across the processes never exceed it; when the processes are idle the
+    books charge each exactly what it holds, and nothing once they closed."""
+    with anyio.fail_after(60):
+        async with serving(procs.socket, RANDOM_BUDGET) as daemon:
+            samples = 0
+            stop = anyio.Event()
+
+            async def sample() -> None:
+                nonlocal samples
+                while not stop.is_set():
+                    check_books(daemon)
+                    samples += 1
+                    await anyio.sleep(0.002)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sample)
+                clients = [
+                    procs.client(
+                        f"random{seed}",
+                        {"mode": "random", "seed": seed, "ops": 150, "workers": 3, "keys": 8},
+                    )
+                    for seed in range(3)
+                ]
+                done = [await client.wait_for("done") for client in clients]
+                stop.set()
+            for line in done:
+                outcomes = line["outcomes"]
+                assert set(outcomes) <= {"held", "timeout", "cancelled", "failed"}, outcomes
+                assert sum(outcomes.values()) == 150
+            assert samples > 10
+
+            # Idle, every one: the books charge each process what it holds.
+            procs.signal("report")
+            holding = {c.pid: await c.wait_for("holding") for c in clients}
+            check_books(daemon)
+            charged = by_pid(daemon)
+            for pid, line in holding.items():
+                assert line["leased"] == 0
+                assert charged.get(pid, Counter()) == Counter(line["used"]), (pid, line)
+            totals = daemon.totals()["used"]
+            assert totals == {
+                s: sum(line["used"].get(s, 0) for line in holding.values()) for s in totals
+            }
+            assert all(
+                e["state"] == "ready" and e["leases"] == 0 for e in daemon.listing()["entries"]
+            )
+
+            procs.signal("close")
+            for client in clients:
+                assert await client.exit() == 0, client.stderr()
+            await wait_until(lambda: not daemon.connections)
+            lines = [
+                line
+                for client in clients
+                for line in client.lines()
+                if line["event"] in ("load", "unload", "freed")
+            ]
+            assert not +replay_loads(lines, RANDOM_BUDGET)  # every load was freed
+            check_books(daemon)
+            assert daemon.totals()["used"] == dict.fromkeys(RANDOM_BUDGET, 0)
+            assert not list(daemon.runner.core.entries())
+            assert not daemon.connections and not daemon.owners
