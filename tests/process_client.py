@@ -177,8 +177,8 @@ async def steps_run(address: str, signals: str, config: Config) -> None:
         run.tg = tg
         for step in config["steps"]:
             await STEPS[step["do"]](run, step)
-    if run.stack is not None:
-        await run.close({})
+        if run.stack is not None:
+            await run.close({})
 
 
 # ------------------------------------------------------------------ random

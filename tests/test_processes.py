@@ -106,13 +106,13 @@ class Proc:
     def kill(self, signum: int = signal.SIGKILL) -> None:
         self.popen.send_signal(signum)
 
-    def rss(self) -> int:
-        """Its resident memory in bytes (``VmRSS``)."""
-        with open(f"/proc/{self.pid}/status") as status:
+    def rss(self) -> int | None:
+        """Its resident memory in bytes (``VmRSS``); ``None`` once it exited."""
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{self.pid}/status") as status:
             for line in status:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024
-        raise AssertionError(f"no VmRSS for {self.name}")
+        return None  # (a zombie has no VmRSS)
 
 
 class Procs:
@@ -289,3 +289,104 @@ async def test_random_acquires_of_three_processes_share_one_budget(procs: Procs)
             assert daemon.totals()["used"] == dict.fromkeys(RANDOM_BUDGET, 0)
             assert not list(daemon.runner.core.entries())
             assert not daemon.connections and not daemon.owners
+
+
+# ------------------------------------------------------------------ real memory
+
+BUFFER = 150 * 10**6
+MEMORY_BUDGET = 4 * BUFFER
+#: The clients' own allocations besides the buffers (JSON lines, the books, the
+#: allocator's arenas): a few MB per process, bounded generously.
+NOISE = 30 * 10**6
+
+
+@one_backend
+async def test_real_buffers_of_three_processes_stay_within_the_shared_budget(
+    procs: Procs,
+) -> None:
+    """The clients' resident memory grows by at most the budget, plus one buffer
+    (the three ``/proc`` reads of a sample are not one instant: a buffer freed
+    just after one read and loaded just before the next shows twice), plus noise."""
+    with anyio.fail_after(60):
+        await procs.daemon(str(MEMORY_BUDGET))
+        clients = [
+            procs.client(
+                f"memory{i}",
+                {
+                    "mode": "memory",
+                    "size": BUFFER,
+                    "rounds": 2,
+                    "keys": [f"p{i}k{k}" for k in range(3)],
+                },
+            )
+            for i in range(3)
+        ]
+        for client in clients:
+            await client.wait_for("ready")
+        base = {client: client.rss() or 0 for client in clients}
+        procs.signal("go")
+        peak = 0
+        while not all(client.events("done") for client in clients):
+            growth = [(c.rss() or base[c]) - base[c] for c in clients]  # (exited: nothing)
+            peak = max(peak, sum(growth))
+            assert peak <= MEMORY_BUDGET + BUFFER + NOISE, growth
+            await anyio.sleep(0.002)
+        for client in clients:
+            assert await client.exit() == 0, client.stderr()
+        loads = [line for client in clients for line in client.events("loaded")]
+        assert len(loads) == 18 and {line["first"] for line in loads} == {1}
+        assert peak >= 2 * BUFFER  # the samples did see the buffers
+
+
+# ------------------------------------------------------------------ kill -9 a client
+
+
+@pytest.mark.parametrize("moment", ["loading", "releasing", "holding"])
+async def test_a_killed_process_gives_its_bytes_back(procs: Procs, moment: str) -> None:
+    """A process killed while loading, releasing or holding a lease takes its entries
+    out of the daemon's books at once: another process's waiting request is granted."""
+    with anyio.fail_after(30):
+        async with serving(procs.socket, 100) as daemon:
+            first = {"do": "acquire", "key": "a", "size": 60}
+            victim = procs.steps(
+                "victim",
+                {"do": "connect"},
+                {**first, "load": "forever"} if moment == "loading" else first,
+                {"do": "release", "label": "a"}
+                if moment == "releasing"
+                else {"do": "value", "label": "a"},
+                {"do": "wait", "signal": "never"},
+                releaser="forever",
+            )
+            await victim.wait_for("loading")
+            if moment != "loading":
+                await victim.wait_for("value" if moment == "holding" else "let go")
+            other = procs.steps(
+                "other",
+                {"do": "connect"},
+                {"do": "acquire", "key": "b", "size": 60, "timeout": 30},
+                {"do": "stats"},
+                {"do": "wait", "signal": "finish"},
+            )
+            if moment == "releasing":
+                await victim.wait_for("releasing")
+            await wait_until(
+                lambda: any(
+                    e["pid"] == other.pid and e["state"] == "waiting"
+                    for e in daemon.listing()["entries"]
+                )
+            )
+            assert by_pid(daemon)[victim.pid] == {"default": 60}
+            victim.kill()
+            acquired = await other.wait_for("acquired", key="b")
+            assert acquired["value"] == f"b@{other.pid}"
+            await victim.exit()
+            check_books(daemon)
+            assert victim.pid not in by_pid(daemon)
+            assert by_pid(daemon)[other.pid] == {"default": 60}
+            assert (await other.wait_for("stats"))["broker_used"] == {"default": 60}
+            procs.signal("finish")
+            assert await other.exit() == 0, other.stderr()
+            await wait_until(lambda: not daemon.connections)
+            check_books(daemon)
+            assert daemon.totals()["used"] == {"default": 0}
