@@ -151,10 +151,17 @@ class Procs:
         """Create the file a client's ``wait`` step waits for."""
         (self.signals / name).touch()
 
-    def ps(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """``cachebroker ps`` (synchronous: the daemon must not be in this test's loop)."""
-        argv = [sys.executable, "-m", "cachebroker", "ps", *args]
-        return subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=30)
+    async def ps(self, *args: str) -> tuple[int, str, str]:
+        """``cachebroker ps --socket SOCKET ARGS``: its status, stdout and stderr."""
+        argv = [sys.executable, "-m", "cachebroker", "ps", "--socket", self.socket, *args]
+        done = await anyio.run_process(argv, env=ENV, check=False)
+        return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+    async def listing(self) -> Any:
+        """``cachebroker ps --json``, parsed."""
+        status, out, err = await self.ps("--json")
+        assert status == 0, err
+        return json.loads(out)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -390,3 +397,98 @@ async def test_a_killed_process_gives_its_bytes_back(procs: Procs, moment: str) 
             await wait_until(lambda: not daemon.connections)
             check_books(daemon)
             assert daemon.totals()["used"] == {"default": 0}
+
+
+# ------------------------------------------------------------------ the daemon stops
+
+
+@one_backend
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
+async def test_a_stopped_daemon_fails_requests_and_leaves_leases_working(
+    procs: Procs, signum: int
+) -> None:
+    """When the daemon stops, requests that need it raise ``BrokerClosed`` naming its
+    socket (the one waiting, and the next), a lease held keeps its value, the broker
+    closes without hanging, and ``Broker.connect`` works again once a daemon is back."""
+    with anyio.fail_after(40):
+        daemon = await procs.daemon("100")
+        client = procs.steps(
+            "client",
+            {"do": "connect"},
+            {"do": "acquire", "key": "a", "size": 60},
+            {"do": "acquire", "key": "b", "size": 60, "timeout": 30, "background": True},
+            {"do": "wait", "signal": "stopped"},
+            {"do": "value", "label": "a"},
+            {"do": "acquire", "key": "c", "size": 10},
+            {"do": "close"},
+            {"do": "wait", "signal": "restarted"},
+            {"do": "connect"},
+            {"do": "acquire", "key": "d", "size": 10, "hold": False},
+        )
+        await client.wait_for("acquired", key="a")
+        await client.wait_for("acquiring", key="b")
+        while not any(e["state"] == "waiting" for e in (await procs.listing())["entries"]):
+            await anyio.sleep(0.01)
+
+        daemon.kill(signum)
+        status = await daemon.exit()
+        assert status == (0 if signum == signal.SIGTERM else -signal.SIGKILL), daemon.stderr()
+        # A daemon stopped cleanly removes its socket; a killed one leaves it behind.
+        assert os.path.exists(procs.socket) is (signum == signal.SIGKILL)  # noqa: ASYNC240
+        waiting = await client.wait_for("error", key="b")
+        procs.signal("stopped")
+        assert (await client.wait_for("value"))["value"] == f"a@{client.pid}"
+        after = await client.wait_for("error", key="c")
+        for error in (waiting, after):
+            assert error["type"] == "BrokerClosed" and procs.socket in error["message"], error
+        await client.wait_for("closed")
+
+        await procs.daemon("100", name="daemon2")  # (over the stale socket, after kill -9)
+        procs.signal("restarted")
+        assert (await client.wait_for("acquired", key="d"))["value"] == f"d@{client.pid}"
+        assert await client.exit() == 0, client.stderr()
+
+
+# ------------------------------------------------------------------ a release never acknowledged
+
+
+@one_backend
+async def test_a_release_never_acknowledged_is_quarantined_until_its_process_dies(
+    procs: Procs,
+) -> None:
+    """With ``--release-timeout 1``, an entry whose process never finishes releasing it
+    is quarantined in the daemon (``ps`` says so) and its bytes stay charged: a request
+    that needs them does not hang; killing the stuck process frees them."""
+    with anyio.fail_after(40):
+        await procs.daemon("100", "--release-timeout", "1")
+        stuck = procs.steps(
+            "stuck",
+            {"do": "connect"},
+            {"do": "acquire", "key": "a", "size": 60, "hold": False},
+            {"do": "wait", "signal": "never"},
+            releaser="forever",
+        )
+        await stuck.wait_for("acquired", key="a")
+        other = procs.steps(
+            "other",
+            {"do": "connect"},
+            {"do": "acquire", "key": "b", "size": 60, "timeout": 10},
+            {"do": "wait", "signal": "retry"},
+            {"do": "acquire", "key": "c", "size": 60, "timeout": 10},
+        )
+        await stuck.wait_for("releasing")
+        # Once quarantined, the bytes cannot come back in time: the request fails fast.
+        refused = await other.wait_for("error", key="b")
+        assert refused["type"] == "OutOfSpace", refused
+        assert "quarantined" in refused["message"] and "'a'" in refused["message"]
+        listing = await procs.listing()
+        assert listing["daemon"]["used"] == {"default": 60}
+        [entry] = listing["entries"]
+        assert (entry["pid"], entry["key"], entry["state"]) == (stuck.pid, "'a'", "quarantined")
+        assert "quarantined" in (await procs.ps())[1]
+
+        stuck.kill()
+        await stuck.exit()
+        procs.signal("retry")
+        assert (await other.wait_for("acquired", key="c"))["value"] == f"c@{other.pid}"
+        assert await other.exit() == 0, other.stderr()
