@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from typing import Any
 import anyio
 import pytest
 
+from cachebroker import format_bytes
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 from tests.test_broker import wait_until
 
@@ -492,3 +494,72 @@ async def test_a_release_never_acknowledged_is_quarantined_until_its_process_die
         procs.signal("retry")
         assert (await other.wait_for("acquired", key="c"))["value"] == f"c@{other.pid}"
         assert await other.exit() == 0, other.stderr()
+
+
+# ------------------------------------------------------------------ cachebroker ps
+
+
+@one_backend
+async def test_ps_lists_each_process_entries(procs: Procs) -> None:
+    """``cachebroker ps`` shows, for each entry: pid, cache, key, space, bytes, state;
+    ``--json`` the same as data; with no daemon it exits 1 naming the socket."""
+    with anyio.fail_after(30):
+        await procs.daemon("ram=1MB,cuda:0=2MB")
+        models = procs.steps(
+            "models",
+            {"do": "connect", "cache": "models"},
+            {"do": "acquire", "key": ["model", 7], "size": {"ram": 1000, "cuda:0": 250_000}},
+            {"do": "wait", "signal": "finish"},
+        )
+        tokens = procs.steps(
+            "tokens",
+            {"do": "connect", "cache": "tokens"},
+            {"do": "acquire", "key": "vocab", "size": {"ram": 5000}, "hold": False},
+            {"do": "wait", "signal": "finish"},
+        )
+        await models.wait_for("acquired")
+        await tokens.wait_for("acquired")
+
+        status, table, _ = await procs.ps()
+        assert status == 0
+        assert re.search(r"^PID +CACHE +KEY +SPACE +BYTES +STATE +LEASES +IDLE$", table, re.M)
+        # One row per entry and space, the entry's columns on its first row only.
+        model_rows = (
+            rf"^{models.pid} +models +\('model', 7\) +cuda:0 +{format_bytes(250_000)} +ready"
+            rf" +1 +-\n +ram +{format_bytes(1000)}$"
+        )
+        assert re.search(model_rows, table, re.M), table
+        vocab_row = (
+            rf"^{tokens.pid} +tokens +'vocab' +ram +{format_bytes(5000)} +ready +0 +[0-9.]+s$"
+        )
+        assert re.search(vocab_row, table, re.M), table
+        assert f"ram: {format_bytes(6000)} used of {format_bytes(10**6)}" in table
+
+        listing = await procs.listing()
+        assert listing["processes"] == sorted([models.pid, tokens.pid])
+        assert listing["daemon"]["used"] == {"ram": 6000, "cuda:0": 250_000}
+        entries = {(e["pid"], e["cache"], e["key"]): e for e in listing["entries"]}
+        assert entries.keys() == {
+            (models.pid, "models", "('model', 7)"),
+            (tokens.pid, "tokens", "'vocab'"),
+        }
+        model = entries[models.pid, "models", "('model', 7)"]
+        assert (model["charge"], model["state"], model["leases"]) == (
+            {"ram": 1000, "cuda:0": 250_000},
+            "ready",
+            1,
+        )
+        vocab = entries[tokens.pid, "tokens", "'vocab'"]
+        assert (vocab["charge"], vocab["leases"]) == ({"ram": 5000}, 0)
+        assert vocab["idle_seconds"] >= 0
+
+        procs.signal("finish")
+        for client in (models, tokens):
+            assert await client.exit() == 0, client.stderr()
+
+    missing = "/nonexistent/cachebroker.sock"
+    done = await anyio.run_process(
+        [sys.executable, "-m", "cachebroker", "ps", "--socket", missing], env=ENV, check=False
+    )
+    assert done.returncode == 1
+    assert missing in done.stderr.decode()
