@@ -16,18 +16,21 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
 
-from cachebroker import format_bytes
+from cachebroker import Broker, BrokerClosed, format_bytes
+from cachebroker._remote import _protocol as wire
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 from tests.test_broker import wait_until
 
@@ -563,3 +566,108 @@ async def test_ps_lists_each_process_entries(procs: Procs) -> None:
     )
     assert done.returncode == 1
     assert missing in done.stderr.decode()
+
+
+# ------------------------------------------------------------------ malformed messages
+
+
+def frame(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+#: What a peer might send that is not a message: (hello first?, bytes, the error logged).
+MALFORMED = [
+    (False, b"GET / HTTP/1.1\r\nHost: cachebroker\r\n\r\n", "over the limit"),
+    (False, frame(b"\xff\xfe{not json"), "not JSON"),
+    (True, b"\xff\xff\xff\xff", "over the limit"),
+    (True, frame(b"[1, 2, 3]"), "must be an object"),
+    (True, frame(b'{"id": 1}'), "with an 'op'"),
+    (True, wire.encode({"op": "bogus"}), "unknown op 'bogus'"),
+    (True, wire.encode({"op": "acquire", "id": "one", "cache": "c"}), "'id' is 'one'"),
+]
+
+
+async def exchange(address: str, payload: bytes, *, hello: bool) -> list[dict[str, Any]]:
+    """Send ``payload`` (once welcomed); the messages received until the daemon hung up."""
+    received = []
+    async with await anyio.connect_unix(address) as stream:
+        reader = BufferedByteReceiveStream(stream)
+        if hello:
+            await wire.send(stream, {"op": "hello", "version": wire.VERSION, "pid": os.getpid()})
+            assert (await wire.receive(reader))["op"] == "welcome"
+        await stream.send(payload)
+        with contextlib.suppress(
+            anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError
+        ):
+            while True:
+                received.append(await wire.receive(reader))
+    return received
+
+
+async def test_a_malformed_message_closes_only_its_connection(
+    procs: Procs, events: list[MutableMapping[str, Any]]
+) -> None:
+    """A peer that sends something not of the protocol (garbage, a huge length, JSON
+    that is no message, an unknown op, a bad field) is logged and cut off; a process
+    and a connection that were there meanwhile go on, the process's entries untouched."""
+    with anyio.fail_after(20):
+        async with serving(procs.socket, 100) as daemon:
+            client = procs.steps(
+                "client",
+                {"do": "connect"},
+                {"do": "acquire", "key": "a", "size": 30},
+                {"do": "wait", "signal": "go on"},
+                {"do": "acquire", "key": "b", "size": 20},
+                {"do": "stats"},
+                {"do": "wait", "signal": "finish"},
+            )
+            await client.wait_for("acquired", key="a")
+            async with await anyio.connect_unix(procs.socket) as bystander:
+                reader = BufferedByteReceiveStream(bystander)
+                await wire.send(bystander, {"op": "hello", "version": wire.VERSION})
+                assert (await wire.receive(reader))["op"] == "welcome"
+
+                for count, (hello, payload, why) in enumerate(MALFORMED, 1):
+                    assert await exchange(procs.socket, payload, hello=hello) == []
+                    logged = [e for e in events if e["event"] == "cachebroker.peer.failed"]
+                    assert len(logged) == count, logged
+                    failed = logged[-1]
+                    assert failed["pid"] == os.getpid() and failed["address"] == procs.socket
+                    assert why in failed["error"], (payload, failed)
+                    assert by_pid(daemon) == {client.pid: {"default": 30}}
+
+                await wire.send(bystander, {"op": "totals"})
+                assert (await wire.receive(reader))["used"] == {"default": 30}
+            procs.signal("go on")
+            assert (await client.wait_for("stats"))["broker_used"] == {"default": 50}
+            check_books(daemon)
+            procs.signal("finish")
+            assert await client.exit() == 0, client.stderr()
+
+
+# ------------------------------------------------------------------ another user
+
+
+async def test_a_process_of_another_user_is_refused(
+    procs: Procs, events: list[MutableMapping[str, Any]]
+) -> None:
+    """The socket is the user's own (mode 0600), and the daemon serves no other user:
+    a peer of another uid is refused with ``BrokerClosed``, and the daemon serves on."""
+    with anyio.fail_after(20):
+        # Every peer is "another user" to a daemon that believes it serves uid + 1.
+        async with serving(procs.socket, 100, uid=os.getuid() + 1) as daemon:
+            assert stat.S_IMODE(os.stat(procs.socket).st_mode) == 0o600
+            for _ in range(2):
+                with pytest.raises(BrokerClosed, match="refused") as refused:
+                    async with Broker.connect(procs.socket):
+                        pass
+                assert procs.socket in str(refused.value)
+            client = procs.steps("client", {"do": "connect"})
+            error = await client.wait_for("error", op="connect")
+            assert error["type"] == "BrokerClosed" and "refused" in error["message"]
+            assert await client.exit() == 0, client.stderr()
+
+            logged = [e for e in events if e["event"] == "cachebroker.peer.refused"]
+            assert [e["pid"] for e in logged] == [os.getpid(), os.getpid(), client.pid]
+            assert {e["uid"] for e in logged} == {os.getuid()}
+            assert not daemon.connections
