@@ -21,7 +21,15 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Mapping, MutableMapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+)
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +38,11 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from cachebroker import Broker, BrokerClosed, format_bytes
+from cachebroker._remote import _client
 from cachebroker._remote import _protocol as wire
+from cachebroker._remote._client import ClientRunner
 from cachebroker._remote._daemon import Daemon, DaemonBroker
-from tests.test_broker import wait_until
+from tests.test_broker import loader, wait_until
 
 pytestmark = [
     pytest.mark.anyio,
@@ -190,7 +200,13 @@ def procs() -> Iterator[Procs]:
 
 @contextlib.asynccontextmanager
 async def serving(address: str, budget: Any, **options: Any) -> AsyncIterator[Daemon]:
-    """A daemon in this test's event loop, whose books the test can read."""
+    """A daemon in this test's event loop, whose books the test can read.
+
+    Its release timeout, which its clients adopt, is short: a test that fails
+    with a lease held closes its caches in seconds (a cache waits that long for
+    its leases) instead of the default 30.
+    """
+    options.setdefault("release_timeout", 3)
     uid = options.pop("uid", None)
     daemon = Daemon(DaemonBroker(budget, **options), address, uid=uid)
     async with anyio.create_task_group() as tg:
@@ -671,3 +687,94 @@ async def test_a_process_of_another_user_is_refused(
             assert [e["pid"] for e in logged] == [os.getpid(), os.getpid(), client.pid]
             assert {e["uid"] for e in logged} == {os.getuid()}
             assert not daemon.connections
+
+
+# ------------------------------------------------------------------ in one event loop
+# Daemon and clients in the test's loop, where a check needs a moment that processes
+# cannot be stopped at.
+
+
+def releaser(freed: list[Hashable]) -> Callable[[Hashable, Any], Awaitable[None]]:
+    """A releaser that records each key it frees."""
+
+    async def release(key: Hashable, value: Any) -> None:
+        freed.append(key)
+
+    return release
+
+
+async def test_a_release_asked_of_an_entry_leased_again_is_refused(
+    procs: Procs, events: list[MutableMapping[str, Any]]
+) -> None:
+    """A process that leased its entry again before the daemon's release request arrived
+    refuses it: the entry stays (leased), the request waits for other room, and the
+    entry is released once the lease ends."""
+    freed: list[Hashable] = []
+    with anyio.fail_after(20):
+        async with serving(procs.socket, 100) as daemon, anyio.create_task_group() as tg:
+            async with (
+                Broker.connect(procs.socket) as first,
+                Broker.connect(procs.socket) as second,
+            ):
+                async with (
+                    first.cache("a", releaser(freed)) as a,
+                    second.cache("b", releaser(freed)) as b,
+                ):
+                    await (await a.acquire("x", load=loader("x"), size=60)).release()
+                    # The release request reaches the first process late: after its new lease.
+                    runner = first._runner
+                    assert isinstance(runner, ClientRunner) and runner.link is not None
+                    link = runner.link
+                    asked: list[int] = []
+                    link.give_up = asked.append  # type: ignore[method-assign,assignment]
+
+                    got: list[Any] = []
+
+                    async def wanting() -> None:
+                        async with b.acquire("y", load=loader("y"), size=60, timeout=15) as lease:
+                            got.append(lease.value)
+
+                    tg.start_soon(wanting)
+                    await wait_until(lambda: asked)
+                    lease = await a.acquire("x", load=loader("again"), size=60)
+                    assert lease.value == "x"  # a hit: the entry is still loaded here
+                    del link.give_up
+                    link.give_up(asked[0])
+
+                    await wait_until(
+                        lambda: any(e["event"] == "cachebroker.release.refused" for e in events)
+                    )
+                    [refusal] = [e for e in events if e["event"] == "cachebroker.release.refused"]
+                    assert (refusal["cache"], repr(refusal["key"])) == (f"a@{os.getpid()}", "'x'")
+                    check_books(daemon)
+                    [entry] = [e for e in daemon.listing()["entries"] if e["cache"] == "a"]
+                    assert (entry["state"], entry["leases"]) == ("ready", 1)
+                    assert not got and not freed
+
+                    await lease.release()
+                    await wait_until(lambda: got)
+                    assert got == ["y"] and freed == ["x"]
+                    check_books(daemon)
+
+
+async def test_a_connected_broker_cancelled_from_outside_closes_at_once(
+    procs: Procs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelling the scope around ``Broker.connect()`` cancels its writer too: closing
+    does not wait for it to send what is left (the daemon, seeing the connection end,
+    drops the process's entries all the same)."""
+    # Waiting for the writer would take this long, past the bound of the test.
+    monkeypatch.setattr(_client, "FINISH_TIMEOUT", 20.0)
+    freed: list[Hashable] = []
+    with anyio.fail_after(10):
+        async with serving(procs.socket, 100) as daemon:
+            with anyio.CancelScope() as scope:
+                async with Broker.connect(procs.socket) as broker:
+                    async with broker.cache("c", releaser(freed)) as cache:
+                        await (await cache.acquire("k", load=loader(1), size=10)).release()
+                        scope.cancel()
+                        await anyio.sleep_forever()
+            assert scope.cancelled_caught and freed == ["k"]
+            await wait_until(lambda: not daemon.connections)
+            check_books(daemon)
+            assert daemon.totals()["used"] == {"default": 0}

@@ -302,24 +302,31 @@ class Link:
             self.outbox.append(message)
 
     async def writer(self) -> None:
-        """Send each batch: the reports of what changed, then the messages posted."""
+        """Send each batch: the reports of what changed, then the messages posted.
+
+        Once it ends (cancelled with the scope around the broker, say) nothing
+        more will be sent: ``finish`` does not wait for it then.
+        """
         assert self.stream is not None
-        while True:
-            await self.wake.wait()
-            self.wake = anyio.Event()
-            self._waking = False
-            if self.error is not None:
-                return
-            self.collect()
-            batch, self.outbox = self.outbox, []
-            if batch:
-                try:
-                    await wire.send(self.stream, *batch)
-                except _LOST as exc:
-                    self.lost(exc)
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake = anyio.Event()
+                self._waking = False
+                if self.error is not None:
                     return
-            if self.closing and not self.outbox and not self.dirty:
-                self.drained.set()
+                self.collect()
+                batch, self.outbox = self.outbox, []
+                if batch:
+                    try:
+                        await wire.send(self.stream, *batch)
+                    except _LOST as exc:
+                        self.lost(exc)
+                        return
+                if self.closing and not self.outbox and not self.dirty:
+                    self.drained.set()
+        finally:
+            self.drained.set()
 
     # ------------------------------------------------------------- receiving
 

@@ -74,6 +74,7 @@ class DaemonRunner(Runner):
     def _release_failed(self, entry: Entry, exc: BaseException) -> bool:
         if isinstance(exc, _Refused):
             self.core.release_refused(entry, exc.holder)
+            self.emit("info", ev.RELEASE_REFUSED, cache=entry.owner.name, key=entry.key)
             return False
         return super()._release_failed(entry, exc)
 
