@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -159,8 +160,10 @@ class Procs:
         argv = [sys.executable, CLIENT, backend, self.socket, str(self.signals), json.dumps(config)]
         return self.spawn(f"{name}-{backend}", argv)
 
-    def steps(self, name: str, *steps: Mapping[str, Any], **config: Any) -> Proc:
-        return self.client(name, {"mode": "steps", "steps": steps, **config})
+    def steps(
+        self, name: str, *steps: Mapping[str, Any], backend: str | None = None, **config: Any
+    ) -> Proc:
+        return self.client(name, {"mode": "steps", "steps": steps, **config}, backend)
 
     def signal(self, name: str) -> None:
         """Create the file a client's ``wait`` step waits for."""
@@ -665,10 +668,11 @@ async def test_a_malformed_message_closes_only_its_connection(
 
 
 async def test_a_process_of_another_user_is_refused(
-    procs: Procs, events: list[MutableMapping[str, Any]]
+    procs: Procs, events: list[MutableMapping[str, Any]], anyio_backend: tuple[str, Any]
 ) -> None:
     """The socket is the user's own (mode 0600), and the daemon serves no other user:
-    a peer of another uid is refused with ``BrokerClosed``, and the daemon serves on."""
+    a peer of another uid is refused with ``BrokerClosed`` saying so, every time, and
+    the daemon serves on."""
     with anyio.fail_after(20):
         # Every peer is "another user" to a daemon that believes it serves uid + 1.
         async with serving(procs.socket, 100, uid=os.getuid() + 1) as daemon:
@@ -678,13 +682,16 @@ async def test_a_process_of_another_user_is_refused(
                     async with Broker.connect(procs.socket):
                         pass
                 assert procs.socket in str(refused.value)
-            client = procs.steps("client", {"do": "connect"})
-            error = await client.wait_for("error", op="connect")
-            assert error["type"] == "BrokerClosed" and "refused" in error["message"]
+            backend = "uvloop" if anyio_backend[1].get("use_uvloop") else anyio_backend[0]
+            client = procs.steps("client", *[{"do": "connect"}] * 10, backend=backend)
             assert await client.exit() == 0, client.stderr()
+            errors = client.events("error", op="connect")
+            assert len(errors) == 10
+            for error in errors:
+                assert error["type"] == "BrokerClosed" and "refused" in error["message"], error
 
             logged = [e for e in events if e["event"] == "cachebroker.peer.refused"]
-            assert [e["pid"] for e in logged] == [os.getpid(), os.getpid(), client.pid]
+            assert [e["pid"] for e in logged] == [os.getpid()] * 2 + [client.pid] * 10
             assert {e["uid"] for e in logged} == {os.getuid()}
             assert not daemon.connections
 
@@ -778,3 +785,24 @@ async def test_a_connected_broker_cancelled_from_outside_closes_at_once(
             await wait_until(lambda: not daemon.connections)
             check_books(daemon)
             assert daemon.totals()["used"] == {"default": 0}
+
+
+async def test_a_refused_peer_reads_why_even_when_its_hello_comes_late(
+    procs: Procs, events: list[MutableMapping[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer of another user whose hello comes after the daemon decided to refuse it
+    still reads the refusal (the daemon takes the hello first), not a reset connection."""
+    connect_unix = anyio.connect_unix
+
+    async def late(path: str) -> anyio.abc.SocketStream:
+        stream = await connect_unix(path)
+        await wait_until(lambda: any(e["event"] == "cachebroker.peer.refused" for e in events))
+        await anyio.sleep(0.05)  # time for the daemon to close a connection it is done with
+        return stream
+
+    monkeypatch.setattr(anyio, "connect_unix", late)
+    with anyio.fail_after(20):
+        async with serving(procs.socket, 100, uid=os.getuid() + 1):
+            with pytest.raises(BrokerClosed, match="refused this process: user"):
+                async with Broker.connect(procs.socket):
+                    pass
