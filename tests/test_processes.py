@@ -806,3 +806,33 @@ async def test_a_refused_peer_reads_why_even_when_its_hello_comes_late(
             with pytest.raises(BrokerClosed, match="refused this process: user"):
                 async with Broker.connect(procs.socket):
                     pass
+
+
+async def test_the_daemon_counts_a_process_own_releases_by_their_reason(
+    procs: Procs, events: list[MutableMapping[str, Any]]
+) -> None:
+    """A release the process starts itself (invalidate, closing its cache) is booked by
+    the daemon under that reason, not as an eviction for capacity, however quickly the
+    release is over (reported as ``releasing`` then ``gone``, or ``gone`` at once)."""
+    freed: list[Hashable] = []
+    with anyio.fail_after(20):
+        async with serving(procs.socket, 100) as daemon:
+            async with Broker.connect(procs.socket) as broker:
+                async with broker.cache("c", releaser(freed)) as cache:
+                    for key in ("old", "kept"):
+                        await (await cache.acquire(key, load=loader(key), size=10)).release()
+                    assert await cache.invalidate("old")
+                    await wait_until(lambda: daemon.totals()["used"] == {"default": 10})
+                await wait_until(lambda: daemon.totals()["used"] == {"default": 0})
+                stats = daemon.broker.stats_nowait()
+                assert {r: n for r, n in stats.releases.items() if n} == {
+                    "invalidate": 1,
+                    "close": 1,
+                }
+                assert stats.evictions == 0
+            requested = [e for e in events if e["event"] == "cachebroker.release.requested"]
+            assert {repr(e["key"]): e["reason"] for e in requested if "@" in e["cache"]} == {
+                "'old'": "invalidate",
+                "'kept'": "close",
+            }
+            assert freed == ["old", "kept"]

@@ -290,8 +290,11 @@ class Link:
             message: dict[str, Any] = {"op": "report", "id": self.ids[entry], "state": now}
             if told == "loading":
                 message["charge"] = core.charges.pop(entry, None)
-            if now == "releasing":
-                message["reason"] = core.reasons.get(entry, Reason.CAPACITY).value
+            reason = core.reasons.get(entry)
+            if now == "releasing" or (now == "gone" and reason is not None):
+                # (A release over before this batch is reported "gone" at once: its
+                # reason goes with it, or the daemon would book it as for capacity.)
+                message["reason"] = (reason or Reason.CAPACITY).value
             elif now == "quarantined":
                 message["error"] = f"{entry.error!r:.500}"
             if now == "gone":

@@ -331,7 +331,7 @@ class Connection:
         if mirror.state == "loading":
             mirror.charge = wire.charge(message, "charge")
         mirror.state = state
-        if state == "releasing":
+        if state == "releasing" or (state == "gone" and "reason" in message):
             mirror.reason = _REASONS.get(str(message.get("reason")), Reason.CAPACITY)
         elif state == "quarantined":
             mirror.error = str(message.get("error", ""))
