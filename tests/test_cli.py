@@ -30,7 +30,7 @@ def test_no_command_prints_the_usage_to_stderr_and_exits_2() -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.startswith("usage: cachebroker")
-    assert "name a command: demo, simulate" in result.stderr
+    assert "name a command: demo, serve, ps, simulate" in result.stderr
 
 
 def test_help_exits_0_and_lists_the_commands() -> None:
