@@ -143,6 +143,8 @@ class Procs:
         self._backends = iter(CLIENT_BACKENDS * 100)
 
     def spawn(self, name: str, argv: list[str]) -> Proc:
+        if any(proc.name == name for proc in self.procs):
+            name = f"{name}.{len(self.procs)}"  # (its own output files)
         proc = Proc(name, argv, self.dir)
         self.procs.append(proc)
         return proc
