@@ -80,8 +80,6 @@ class Steps:
             say("loading", label=label)
             if how == "forever":
                 await anyio.sleep_forever()
-            elif how.startswith("signal:"):
-                await wait_signal(self.signals, how.partition(":")[2])
             return f"{label}@{os.getpid()}"
 
         return load
@@ -102,6 +100,8 @@ class Steps:
 
     async def close(self, step: Config) -> None:
         assert self.stack is not None
+        for lease in self.leases.values():
+            await lease.release()
         self.leases.clear()
         try:
             await self.stack.aclose()
