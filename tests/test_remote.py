@@ -563,7 +563,9 @@ async def test_ps_shows_pinned_entries_and_stats_follow_the_daemons_budget() -> 
                 assert (await broker.stats()).budget == {"m": 80}
 
 
-async def test_a_release_the_daemon_asked_for_is_answered_by_its_outcome_alone() -> None:
+async def test_a_release_the_daemon_asked_for_is_answered_by_its_outcome_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     async with serving() as daemon:
         received: list[str] = []
         original = Connection.report
@@ -572,17 +574,14 @@ async def test_a_release_the_daemon_asked_for_is_answered_by_its_outcome_alone()
             received.append(message["state"])
             original(connection, message)
 
-        Connection.report = report  # type: ignore[method-assign]
-        try:
-            async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
-                async with one.cache("w", Plugin()) as c1, two.cache("w", Plugin()) as c2:
-                    async with c1.acquire("a", load=value(1), size=60):
-                        pass
-                    await until(lambda: received[-1:] == ["idle"])
-                    async with c2.acquire("b", load=value(2), size=60):
-                        pass
-                    await until(lambda: used(daemon) == 60 and "gone" in received)
-                    # a went idle, then gone: no "releasing" between, since the daemon asked.
-                    assert "releasing" not in received
-        finally:
-            Connection.report = original  # type: ignore[method-assign]
+        monkeypatch.setattr(Connection, "report", report)
+        async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
+            async with one.cache("w", Plugin()) as c1, two.cache("w", Plugin()) as c2:
+                async with c1.acquire("a", load=value(1), size=60):
+                    pass
+                await until(lambda: received[-1:] == ["idle"])
+                async with c2.acquire("b", load=value(2), size=60):
+                    pass
+                await until(lambda: used(daemon) == 60 and "gone" in received)
+                # a went idle, then gone: no "releasing" between, since the daemon asked.
+                assert "releasing" not in received

@@ -344,25 +344,32 @@ class Link:
             self.outbox.append(message)
 
     async def writer(self) -> None:
-        """Send each batch: the reports of what changed, then the messages posted."""
+        """Send each batch: the reports of what changed, then the messages posted.
+
+        Once it ends (cancelled with the scope around the broker, say) nothing
+        more will be sent: ``finish`` does not wait for it then.
+        """
         assert self.stream is not None
-        while True:
-            await self.wake.wait()
-            self.wake = anyio.Event()
-            self._waking = False
-            if self.error is not None:
-                return
-            self.collect()
-            batch, self.outbox = self.outbox, []
-            if batch:
-                try:
-                    await wire.send(self.stream, *batch)
-                except Exception as exc:  # (the connection's end, never the application's)
-                    self.lost(exc)
-                    await anyio.aclose_forcefully(self.stream)
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake = anyio.Event()
+                self._waking = False
+                if self.error is not None:
                     return
-            if self.closing and not self.outbox and not self.dirty:
-                self.drained.set()
+                self.collect()
+                batch, self.outbox = self.outbox, []
+                if batch:
+                    try:
+                        await wire.send(self.stream, *batch)
+                    except Exception as exc:  # (the connection's end, never the application's)
+                        self.lost(exc)
+                        await anyio.aclose_forcefully(self.stream)
+                        return
+                if self.closing and not self.outbox and not self.dirty:
+                    self.drained.set()
+        finally:
+            self.drained.set()
 
     # ------------------------------------------------------------- receiving
 
@@ -466,6 +473,9 @@ class Link:
         if admission.error is not None:
             self._forget(entry)
             return admission.error
+        if self.ids.get(entry) != id:  # granted, but withdrawn before this task ran
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return BrokerClosed("the request was withdrawn")
         self.told[entry] = "loading"
         return None
 

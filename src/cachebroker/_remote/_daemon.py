@@ -520,11 +520,24 @@ class Daemon:
         async with stream:
             log = self.runner
             uid, pid = wire.peer(stream)
+            reader = BufferedByteReceiveStream(stream)
             if uid is not None and uid != self.uid:
                 log.emit("error", ev.PEER_REFUSED, address=self.address, uid=uid, pid=pid)
+                # Take its hello first: a socket closed with the hello unread (or
+                # before it was sent) resets the connection, and the peer may never
+                # read why it was refused.
+                with contextlib.suppress(
+                    ProtocolError,
+                    TimeoutError,
+                    anyio.EndOfStream,
+                    anyio.IncompleteRead,
+                    anyio.BrokenResourceError,
+                    OSError,
+                ):
+                    with anyio.fail_after(HELLO_TIMEOUT):
+                        await wire.receive(reader)
                 await _refuse(stream, f"user {uid} may not use the broker of user {self.uid}")
                 return
-            reader = BufferedByteReceiveStream(stream)
             try:
                 with anyio.fail_after(HELLO_TIMEOUT):
                     hello = await wire.receive(reader)

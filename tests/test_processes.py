@@ -1,0 +1,840 @@
+"""Several real processes, one shared broker (``cachebroker serve``, ``Broker.connect``).
+
+The clients are subprocesses running ``tests/process_client.py`` (each on one
+of the three backends in turn), reporting what they do as JSON lines. The
+daemon runs as ``cachebroker serve`` in a subprocess where a test is about
+processes (kill -9, stopping it, the CLI), and in the test's own event loop
+(``serving``) where a test checks its books. Every wait is bounded by
+``anyio.fail_after``; every subprocess is killed when its test ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+)
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from cachebroker import Broker, BrokerClosed, format_bytes
+from cachebroker._remote import _client
+from cachebroker._remote import _protocol as wire
+from cachebroker._remote._client import ClientRunner
+from cachebroker._remote._daemon import Daemon, DaemonBroker
+from tests.test_broker import loader, wait_until
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="Unix sockets with SO_PEERCRED, /proc"
+    ),
+]
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+CLIENT = str(Path(__file__).with_name("process_client.py"))
+ENV = {**os.environ, "PYTHONPATH": SRC}
+
+#: The clients' event loops, in turn.
+CLIENT_BACKENDS = ("asyncio", "uvloop", "trio")
+
+#: A test whose daemon is a subprocess needs its own loop only to wait: one backend does.
+one_backend = pytest.mark.parametrize(
+    "anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")]
+)
+
+Line = dict[str, Any]
+
+
+class Proc:
+    """A subprocess whose stdout and stderr go to files the test reads."""
+
+    def __init__(self, name: str, argv: list[str], directory: Path) -> None:
+        self.name = name
+        self.out = directory / f"{name}.out"
+        self.err = directory / f"{name}.err"
+        with self.out.open("wb") as out, self.err.open("wb") as err:
+            self.popen = subprocess.Popen(argv, stdout=out, stderr=err, env=ENV)
+        self.pid = self.popen.pid
+
+    def lines(self) -> list[Line]:
+        """The JSON lines it printed so far (a line being written is left for later)."""
+        text = self.out.read_text()
+        return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+    def events(self, event: str, **fields: Any) -> list[Line]:
+        return [
+            line
+            for line in self.lines()
+            if line["event"] == event and all(line.get(k) == v for k, v in fields.items())
+        ]
+
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    async def wait_for(self, event: str, **fields: Any) -> Line:
+        """Its first line with ``event`` (and ``fields``); fails if it exits first."""
+        while True:
+            exited = self.popen.poll() is not None
+            found = self.events(event, **fields)
+            if found:
+                return found[0]
+            if exited:
+                raise AssertionError(
+                    f"{self.name} exited ({self.popen.returncode}) before {event} {fields}:\n"
+                    f"{self.out.read_text()}\n{self.stderr()[-3000:]}"
+                )
+            await anyio.sleep(0.005)
+
+    async def wait_in_stderr(self, text: str) -> None:
+        while text not in self.stderr():
+            if self.popen.poll() is not None:
+                raise AssertionError(f"{self.name} exited before {text!r}:\n{self.stderr()}")
+            await anyio.sleep(0.005)
+
+    async def exit(self) -> int:
+        """Wait for it to exit; its status."""
+        while (status := self.popen.poll()) is None:
+            await anyio.sleep(0.005)
+        return status
+
+    def kill(self, signum: int = signal.SIGKILL) -> None:
+        self.popen.send_signal(signum)
+
+    def rss(self) -> int | None:
+        """Its resident memory in bytes (``VmRSS``); ``None`` once it exited."""
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{self.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return None  # (a zombie has no VmRSS)
+
+
+class Procs:
+    """The subprocesses of one test, in a short private directory (socket paths are short)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.signals = directory / "signals"
+        self.signals.mkdir()
+        self.socket = str(directory / "cb.sock")
+        self.procs: list[Proc] = []
+        self._backends = iter(CLIENT_BACKENDS * 100)
+
+    def spawn(self, name: str, argv: list[str]) -> Proc:
+        if any(proc.name == name for proc in self.procs):
+            name = f"{name}.{len(self.procs)}"  # (its own output files)
+        proc = Proc(name, argv, self.dir)
+        self.procs.append(proc)
+        return proc
+
+    async def daemon(self, budget: str, *options: str, name: str = "daemon") -> Proc:
+        """``cachebroker serve`` on ``self.socket``, once it listens."""
+        argv = [sys.executable, "-m", "cachebroker", "serve", "--socket", self.socket]
+        proc = self.spawn(name, [*argv, "--budget", budget, *options])
+        await proc.wait_in_stderr("cachebroker serve: listening on")
+        return proc
+
+    def client(self, name: str, config: Mapping[str, Any], backend: str | None = None) -> Proc:
+        """A ``process_client.py`` run of ``config``, on the next backend in turn."""
+        backend = backend or next(self._backends)
+        argv = [sys.executable, CLIENT, backend, self.socket, str(self.signals), json.dumps(config)]
+        return self.spawn(f"{name}-{backend}", argv)
+
+    def steps(
+        self, name: str, *steps: Mapping[str, Any], backend: str | None = None, **config: Any
+    ) -> Proc:
+        return self.client(name, {"mode": "steps", "steps": steps, **config}, backend)
+
+    def signal(self, name: str) -> None:
+        """Create the file a client's ``wait`` step waits for."""
+        (self.signals / name).touch()
+
+    async def ps(self, *args: str) -> tuple[int, str, str]:
+        """``cachebroker ps --socket SOCKET ARGS``: its status, stdout and stderr."""
+        argv = [sys.executable, "-m", "cachebroker", "ps", "--socket", self.socket, *args]
+        done = await anyio.run_process(argv, env=ENV, check=False)
+        return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+    async def listing(self) -> Any:
+        """``cachebroker ps --json``, parsed."""
+        status, out, err = await self.ps("--json")
+        assert status == 0, err
+        return json.loads(out)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+            proc.popen.wait(timeout=30)
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    directory = Path(tempfile.mkdtemp(prefix="cb-", dir="/tmp"))
+    found = Procs(directory)
+    try:
+        yield found
+    finally:
+        found.close()
+        for proc in found.procs:  # (shown by pytest when the test failed)
+            print(f"--- {proc.name} (status {proc.popen.returncode}):\n{proc.stderr()[-2000:]}")
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def serving(address: str, budget: Any, **options: Any) -> AsyncIterator[Daemon]:
+    """A daemon in this test's event loop, whose books the test can read.
+
+    Its release timeout, which its clients adopt, is short: a test that fails
+    with a lease held closes its caches in seconds (a cache waits that long for
+    its leases) instead of the default 30.
+    """
+    options.setdefault("release_timeout", 3)
+    uid = options.pop("uid", None)
+    daemon = Daemon(DaemonBroker(budget, **options), address, uid=uid)
+    async with anyio.create_task_group() as tg:
+        await tg.start(daemon.run)
+        yield daemon
+        tg.cancel_scope.cancel()
+
+
+def check_books(daemon: Daemon) -> None:
+    """The daemon's books add up, and no space holds more than its budget."""
+    core = daemon.runner.core
+    core.check()
+    for space in core.spaces.values():
+        assert space.used <= space.budget, (space.name, space.used, space.budget)
+
+
+def by_pid(daemon: Daemon) -> dict[int, Counter[str]]:
+    """The bytes the daemon's books charge to each process, per space."""
+    charged: dict[int, Counter[str]] = {}
+    for entry in daemon.listing()["entries"]:
+        charged.setdefault(entry["pid"], Counter()).update(entry["charge"])
+    return charged
+
+
+# ------------------------------------------------------------------ several processes
+
+RANDOM_BUDGET = {"a": 100, "b": 60}
+
+
+def replay_loads(lines: list[Line], budget: Mapping[str, int]) -> Counter[str]:
+    """Order every process's load and free lines by time; check the bytes loaded at once.
+
+    A loader starts only after the daemon granted its bytes, and a process
+    logs ``freed`` (or ``unload``) before it tells the daemon, so at every
+    point of this one timeline the bytes loaded and not yet freed must fit.
+    Returns what is still loaded at the end.
+    """
+    loaded: Counter[str] = Counter()
+    for line in sorted(lines, key=lambda line: line["t"]):
+        sign = 1 if line["event"] == "load" else -1
+        for space, amount in line["bytes"].items():
+            loaded[space] += sign * amount
+            assert 0 <= loaded[space] <= budget[space], (line, dict(loaded))
+    return loaded
+
+
+async def test_random_acquires_of_three_processes_share_one_budget(procs: Procs) -> None:
+    """Invariant: the daemon's books add up and stay within budget at every sample; the
+    bytes loaded across the processes never exceed it; when the processes are idle the
+    books charge each exactly what it holds, and nothing once they closed."""
+    with anyio.fail_after(60):
+        async with serving(procs.socket, RANDOM_BUDGET) as daemon:
+            samples = 0
+            stop = anyio.Event()
+
+            async def sample() -> None:
+                nonlocal samples
+                while not stop.is_set():
+                    check_books(daemon)
+                    samples += 1
+                    await anyio.sleep(0.002)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sample)
+                clients = [
+                    procs.client(
+                        f"random{seed}",
+                        {"mode": "random", "seed": seed, "ops": 150, "workers": 3, "keys": 8},
+                    )
+                    for seed in range(3)
+                ]
+                done = [await client.wait_for("done") for client in clients]
+                stop.set()
+            for line in done:
+                outcomes = line["outcomes"]
+                assert set(outcomes) <= {"held", "timeout", "cancelled", "failed"}, outcomes
+                assert sum(outcomes.values()) == 150
+            assert samples > 10
+
+            # Idle, every one: the books charge each process what it holds.
+            procs.signal("report")
+            holding = {c.pid: await c.wait_for("holding") for c in clients}
+            check_books(daemon)
+            charged = by_pid(daemon)
+            for pid, line in holding.items():
+                assert line["leased"] == 0
+                assert charged.get(pid, Counter()) == Counter(line["used"]), (pid, line)
+            totals = daemon.totals()["used"]
+            assert totals == {
+                s: sum(line["used"].get(s, 0) for line in holding.values()) for s in totals
+            }
+            assert all(
+                e["state"] == "ready" and e["leases"] == 0 for e in daemon.listing()["entries"]
+            )
+
+            procs.signal("close")
+            for client in clients:
+                assert await client.exit() == 0, client.stderr()
+            await wait_until(lambda: not daemon.connections)
+            lines = [
+                line
+                for client in clients
+                for line in client.lines()
+                if line["event"] in ("load", "unload", "freed")
+            ]
+            assert not +replay_loads(lines, RANDOM_BUDGET)  # every load was freed
+            check_books(daemon)
+            assert daemon.totals()["used"] == dict.fromkeys(RANDOM_BUDGET, 0)
+            assert not list(daemon.runner.core.entries())
+            assert not daemon.connections and not daemon.owners
+
+
+# ------------------------------------------------------------------ real memory
+
+BUFFER = 150 * 10**6
+MEMORY_BUDGET = 4 * BUFFER
+#: The clients' own allocations besides the buffers (JSON lines, the books, the
+#: allocator's arenas): a few MB per process, bounded generously.
+NOISE = 30 * 10**6
+
+
+@one_backend
+async def test_real_buffers_of_three_processes_stay_within_the_shared_budget(
+    procs: Procs,
+) -> None:
+    """The clients' resident memory grows by at most the budget, plus one buffer
+    (the three ``/proc`` reads of a sample are not one instant: a buffer freed
+    just after one read and loaded just before the next shows twice), plus noise."""
+    with anyio.fail_after(60):
+        await procs.daemon(str(MEMORY_BUDGET))
+        clients = [
+            procs.client(
+                f"memory{i}",
+                {
+                    "mode": "memory",
+                    "size": BUFFER,
+                    "rounds": 2,
+                    "keys": [f"p{i}k{k}" for k in range(3)],
+                },
+            )
+            for i in range(3)
+        ]
+        for client in clients:
+            await client.wait_for("ready")
+        base = {client: client.rss() or 0 for client in clients}
+        procs.signal("go")
+        peak = 0
+        while not all(client.events("done") for client in clients):
+            growth = [(c.rss() or base[c]) - base[c] for c in clients]  # (exited: nothing)
+            peak = max(peak, sum(growth))
+            assert peak <= MEMORY_BUDGET + BUFFER + NOISE, growth
+            await anyio.sleep(0.002)
+        for client in clients:
+            assert await client.exit() == 0, client.stderr()
+        loads = [line for client in clients for line in client.events("loaded")]
+        assert len(loads) == 18 and {line["first"] for line in loads} == {1}
+        assert peak >= 2 * BUFFER  # the samples did see the buffers
+
+
+# ------------------------------------------------------------------ kill -9 a client
+
+
+@pytest.mark.parametrize("moment", ["loading", "releasing", "holding"])
+async def test_a_killed_process_gives_its_bytes_back(procs: Procs, moment: str) -> None:
+    """A process killed while loading, releasing or holding a lease takes its entries
+    out of the daemon's books at once: another process's waiting request is granted."""
+    with anyio.fail_after(30):
+        async with serving(procs.socket, 100) as daemon:
+            first = {"do": "acquire", "key": "a", "size": 60}
+            victim = procs.steps(
+                "victim",
+                {"do": "connect"},
+                {**first, "load": "forever"} if moment == "loading" else first,
+                {"do": "release", "label": "a"}
+                if moment == "releasing"
+                else {"do": "value", "label": "a"},
+                {"do": "wait", "signal": "never"},
+                releaser="forever",
+            )
+            await victim.wait_for("loading")
+            if moment != "loading":
+                await victim.wait_for("value" if moment == "holding" else "let go")
+            other = procs.steps(
+                "other",
+                {"do": "connect"},
+                {"do": "acquire", "key": "b", "size": 60, "timeout": 30},
+                {"do": "stats"},
+                {"do": "wait", "signal": "finish"},
+            )
+            if moment == "releasing":
+                await victim.wait_for("releasing")
+            await wait_until(
+                lambda: any(
+                    e["pid"] == other.pid and e["state"] == "waiting"
+                    for e in daemon.listing()["entries"]
+                )
+            )
+            assert by_pid(daemon)[victim.pid] == {"default": 60}
+            victim.kill()
+            acquired = await other.wait_for("acquired", key="b")
+            assert acquired["value"] == f"b@{other.pid}"
+            await victim.exit()
+            check_books(daemon)
+            assert victim.pid not in by_pid(daemon)
+            assert by_pid(daemon)[other.pid] == {"default": 60}
+            assert (await other.wait_for("stats"))["broker_used"] == {"default": 60}
+            procs.signal("finish")
+            assert await other.exit() == 0, other.stderr()
+            await wait_until(lambda: not daemon.connections)
+            check_books(daemon)
+            assert daemon.totals()["used"] == {"default": 0}
+
+
+# ------------------------------------------------------------------ the daemon stops
+
+
+@one_backend
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
+async def test_a_stopped_daemon_fails_requests_and_leaves_leases_working(
+    procs: Procs, signum: int
+) -> None:
+    """When the daemon stops, requests that need it raise ``BrokerClosed`` naming its
+    socket (the one waiting, and the next), a lease held keeps its value, the broker
+    closes without hanging, and ``Broker.connect`` works again once a daemon is back."""
+    with anyio.fail_after(40):
+        daemon = await procs.daemon("100")
+        client = procs.steps(
+            "client",
+            {"do": "connect"},
+            {"do": "acquire", "key": "a", "size": 60},
+            {"do": "acquire", "key": "b", "size": 60, "timeout": 30, "background": True},
+            {"do": "wait", "signal": "stopped"},
+            {"do": "value", "label": "a"},
+            {"do": "acquire", "key": "c", "size": 10},
+            {"do": "close"},
+            {"do": "wait", "signal": "restarted"},
+            {"do": "connect"},
+            {"do": "acquire", "key": "d", "size": 10, "hold": False},
+        )
+        await client.wait_for("acquired", key="a")
+        await client.wait_for("acquiring", key="b")
+        while not any(e["state"] == "waiting" for e in (await procs.listing())["entries"]):
+            await anyio.sleep(0.01)
+
+        daemon.kill(signum)
+        status = await daemon.exit()
+        assert status == (0 if signum == signal.SIGTERM else -signal.SIGKILL), daemon.stderr()
+        # A daemon stopped cleanly removes its socket; a killed one leaves it behind.
+        assert os.path.exists(procs.socket) is (signum == signal.SIGKILL)  # noqa: ASYNC240
+        waiting = await client.wait_for("error", key="b")
+        procs.signal("stopped")
+        assert (await client.wait_for("value"))["value"] == f"a@{client.pid}"
+        after = await client.wait_for("error", key="c")
+        for error in (waiting, after):
+            assert error["type"] == "BrokerClosed" and procs.socket in error["message"], error
+        await client.wait_for("closed")
+
+        await procs.daemon("100", name="daemon2")  # (over the stale socket, after kill -9)
+        procs.signal("restarted")
+        assert (await client.wait_for("acquired", key="d"))["value"] == f"d@{client.pid}"
+        assert await client.exit() == 0, client.stderr()
+
+
+# ------------------------------------------------------------------ a release never acknowledged
+
+
+@one_backend
+async def test_a_release_never_acknowledged_is_quarantined_until_its_process_dies(
+    procs: Procs,
+) -> None:
+    """With ``--release-timeout 1``, an entry whose process never finishes releasing it
+    is quarantined in the daemon (``ps`` says so) and its bytes stay charged: a request
+    that needs them does not hang; killing the stuck process frees them."""
+    with anyio.fail_after(40):
+        await procs.daemon("100", "--release-timeout", "1")
+        stuck = procs.steps(
+            "stuck",
+            {"do": "connect"},
+            {"do": "acquire", "key": "a", "size": 60, "hold": False},
+            {"do": "wait", "signal": "never"},
+            releaser="forever",
+        )
+        await stuck.wait_for("acquired", key="a")
+        other = procs.steps(
+            "other",
+            {"do": "connect"},
+            {"do": "acquire", "key": "b", "size": 60, "timeout": 10},
+            {"do": "wait", "signal": "retry"},
+            {"do": "acquire", "key": "c", "size": 60, "timeout": 10},
+        )
+        await stuck.wait_for("releasing")
+        # Once quarantined, the bytes cannot come back in time: the request fails fast.
+        refused = await other.wait_for("error", key="b")
+        assert refused["type"] == "OutOfSpace", refused
+        assert "quarantined" in refused["message"] and "'a'" in refused["message"]
+        listing = await procs.listing()
+        assert listing["daemon"]["used"] == {"default": 60}
+        [entry] = listing["entries"]
+        assert (entry["pid"], entry["key"], entry["state"]) == (stuck.pid, "'a'", "quarantined")
+        assert "quarantined" in (await procs.ps())[1]
+
+        stuck.kill()
+        await stuck.exit()
+        procs.signal("retry")
+        assert (await other.wait_for("acquired", key="c"))["value"] == f"c@{other.pid}"
+        assert await other.exit() == 0, other.stderr()
+
+
+# ------------------------------------------------------------------ cachebroker ps
+
+
+@one_backend
+async def test_ps_lists_each_process_entries(procs: Procs) -> None:
+    """``cachebroker ps`` shows, for each entry: pid, cache, key, space, bytes, state;
+    ``--json`` the same as data; with no daemon it exits 1 naming the socket."""
+    with anyio.fail_after(30):
+        await procs.daemon("ram=1MB,cuda:0=2MB")
+        models = procs.steps(
+            "models",
+            {"do": "connect", "cache": "models"},
+            {"do": "acquire", "key": ["model", 7], "size": {"ram": 1000, "cuda:0": 250_000}},
+            {"do": "wait", "signal": "finish"},
+        )
+        tokens = procs.steps(
+            "tokens",
+            {"do": "connect", "cache": "tokens"},
+            {"do": "acquire", "key": "vocab", "size": {"ram": 5000}, "hold": False},
+            {"do": "wait", "signal": "finish"},
+        )
+        await models.wait_for("acquired")
+        await tokens.wait_for("acquired")
+
+        status, table, _ = await procs.ps()
+        assert status == 0
+        assert re.search(r"^PID +CACHE +KEY +SPACE +BYTES +STATE +LEASES +IDLE$", table, re.M)
+        # One row per entry and space, the entry's columns on its first row only.
+        model_rows = (
+            rf"^{models.pid} +models +\('model', 7\) +cuda:0 +{format_bytes(250_000)} +ready"
+            rf" +1 +-\n +ram +{format_bytes(1000)}$"
+        )
+        assert re.search(model_rows, table, re.M), table
+        vocab_row = (
+            rf"^{tokens.pid} +tokens +'vocab' +ram +{format_bytes(5000)} +ready +0 +[0-9.]+s$"
+        )
+        assert re.search(vocab_row, table, re.M), table
+        assert f"ram: {format_bytes(6000)} used of {format_bytes(10**6)}" in table
+
+        listing = await procs.listing()
+        assert listing["processes"] == sorted([models.pid, tokens.pid])
+        assert listing["daemon"]["used"] == {"ram": 6000, "cuda:0": 250_000}
+        entries = {(e["pid"], e["cache"], e["key"]): e for e in listing["entries"]}
+        assert entries.keys() == {
+            (models.pid, "models", "('model', 7)"),
+            (tokens.pid, "tokens", "'vocab'"),
+        }
+        model = entries[models.pid, "models", "('model', 7)"]
+        assert (model["charge"], model["state"], model["leases"]) == (
+            {"ram": 1000, "cuda:0": 250_000},
+            "ready",
+            1,
+        )
+        vocab = entries[tokens.pid, "tokens", "'vocab'"]
+        assert (vocab["charge"], vocab["leases"]) == ({"ram": 5000}, 0)
+        assert vocab["idle_seconds"] >= 0
+
+        procs.signal("finish")
+        for client in (models, tokens):
+            assert await client.exit() == 0, client.stderr()
+
+    missing = "/nonexistent/cachebroker.sock"
+    done = await anyio.run_process(
+        [sys.executable, "-m", "cachebroker", "ps", "--socket", missing], env=ENV, check=False
+    )
+    assert done.returncode == 1
+    assert missing in done.stderr.decode()
+
+
+# ------------------------------------------------------------------ malformed messages
+
+
+def frame(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+#: What a peer might send that is not a message: (hello first?, bytes, the error logged).
+MALFORMED = [
+    (False, b"GET / HTTP/1.1\r\nHost: cachebroker\r\n\r\n", "over the limit"),
+    (False, frame(b"\xff\xfe{not json"), "not JSON"),
+    (True, b"\xff\xff\xff\xff", "over the limit"),
+    (True, frame(b"[1, 2, 3]"), "must be an object"),
+    (True, frame(b'{"id": 1}'), "with an 'op'"),
+    (True, wire.encode({"op": "bogus"}), "unknown op 'bogus'"),
+    (True, wire.encode({"op": "acquire", "id": "one", "cache": "c"}), "'id' is 'one'"),
+]
+
+
+async def exchange(address: str, payload: bytes, *, hello: bool) -> list[dict[str, Any]]:
+    """Send ``payload`` (once welcomed); the messages received until the daemon hung up."""
+    received = []
+    async with await anyio.connect_unix(address) as stream:
+        reader = BufferedByteReceiveStream(stream)
+        if hello:
+            await wire.send(stream, {"op": "hello", "version": wire.VERSION, "pid": os.getpid()})
+            assert (await wire.receive(reader))["op"] == "welcome"
+        await stream.send(payload)
+        with contextlib.suppress(
+            anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError
+        ):
+            while True:
+                received.append(await wire.receive(reader))
+    return received
+
+
+async def test_a_malformed_message_closes_only_its_connection(
+    procs: Procs, events: list[MutableMapping[str, Any]]
+) -> None:
+    """A peer that sends something not of the protocol (garbage, a huge length, JSON
+    that is no message, an unknown op, a bad field) is logged and cut off; a process
+    and a connection that were there meanwhile go on, the process's entries untouched."""
+    with anyio.fail_after(20):
+        async with serving(procs.socket, 100) as daemon:
+            client = procs.steps(
+                "client",
+                {"do": "connect"},
+                {"do": "acquire", "key": "a", "size": 30},
+                {"do": "wait", "signal": "go on"},
+                {"do": "acquire", "key": "b", "size": 20},
+                {"do": "stats"},
+                {"do": "wait", "signal": "finish"},
+            )
+            await client.wait_for("acquired", key="a")
+            async with await anyio.connect_unix(procs.socket) as bystander:
+                reader = BufferedByteReceiveStream(bystander)
+                await wire.send(bystander, {"op": "hello", "version": wire.VERSION})
+                assert (await wire.receive(reader))["op"] == "welcome"
+
+                for count, (hello, payload, why) in enumerate(MALFORMED, 1):
+                    assert await exchange(procs.socket, payload, hello=hello) == []
+                    logged = [e for e in events if e["event"] == "cachebroker.peer.failed"]
+                    assert len(logged) == count, logged
+                    failed = logged[-1]
+                    assert failed["pid"] == os.getpid() and failed["address"] == procs.socket
+                    assert why in failed["error"], (payload, failed)
+                    assert by_pid(daemon) == {client.pid: {"default": 30}}
+
+                await wire.send(bystander, {"op": "totals"})
+                assert (await wire.receive(reader))["used"] == {"default": 30}
+            procs.signal("go on")
+            assert (await client.wait_for("stats"))["broker_used"] == {"default": 50}
+            check_books(daemon)
+            procs.signal("finish")
+            assert await client.exit() == 0, client.stderr()
+
+
+# ------------------------------------------------------------------ another user
+
+
+async def test_a_process_of_another_user_is_refused(
+    procs: Procs, events: list[MutableMapping[str, Any]], anyio_backend: tuple[str, Any]
+) -> None:
+    """The socket is the user's own (mode 0600), and the daemon serves no other user:
+    a peer of another uid is refused with ``BrokerClosed`` saying so, every time, and
+    the daemon serves on."""
+    with anyio.fail_after(20):
+        # Every peer is "another user" to a daemon that believes it serves uid + 1.
+        async with serving(procs.socket, 100, uid=os.getuid() + 1) as daemon:
+            assert stat.S_IMODE(os.stat(procs.socket).st_mode) == 0o600
+            for _ in range(2):
+                with pytest.raises(BrokerClosed, match="refused") as refused:
+                    async with Broker.connect(procs.socket):
+                        pass
+                assert procs.socket in str(refused.value)
+            backend = "uvloop" if anyio_backend[1].get("use_uvloop") else anyio_backend[0]
+            client = procs.steps("client", *[{"do": "connect"}] * 10, backend=backend)
+            assert await client.exit() == 0, client.stderr()
+            errors = client.events("error", op="connect")
+            assert len(errors) == 10
+            for error in errors:
+                assert error["type"] == "BrokerClosed" and "refused" in error["message"], error
+
+            logged = [e for e in events if e["event"] == "cachebroker.peer.refused"]
+            assert [e["pid"] for e in logged] == [os.getpid()] * 2 + [client.pid] * 10
+            assert {e["uid"] for e in logged} == {os.getuid()}
+            assert not daemon.connections
+
+
+# ------------------------------------------------------------------ in one event loop
+# Daemon and clients in the test's loop, where a check needs a moment that processes
+# cannot be stopped at.
+
+
+def releaser(freed: list[Hashable]) -> Callable[[Hashable, Any], Awaitable[None]]:
+    """A releaser that records each key it frees."""
+
+    async def release(key: Hashable, value: Any) -> None:
+        freed.append(key)
+
+    return release
+
+
+async def test_a_release_asked_of_an_entry_leased_again_is_refused(
+    procs: Procs, events: list[MutableMapping[str, Any]]
+) -> None:
+    """A process that leased its entry again before the daemon's release request arrived
+    refuses it: the entry stays (leased), the request waits for other room, and the
+    entry is released once the lease ends."""
+    freed: list[Hashable] = []
+    with anyio.fail_after(20):
+        async with serving(procs.socket, 100) as daemon, anyio.create_task_group() as tg:
+            async with (
+                Broker.connect(procs.socket) as first,
+                Broker.connect(procs.socket) as second,
+            ):
+                async with (
+                    first.cache("a", releaser(freed)) as a,
+                    second.cache("b", releaser(freed)) as b,
+                ):
+                    await (await a.acquire("x", load=loader("x"), size=60)).release()
+                    # The release request reaches the first process late: after its new lease.
+                    runner = first._runner
+                    assert isinstance(runner, ClientRunner) and runner.link is not None
+                    link = runner.link
+                    asked: list[int] = []
+                    link.give_up = asked.append  # type: ignore[method-assign,assignment]
+
+                    got: list[Any] = []
+
+                    async def wanting() -> None:
+                        async with b.acquire("y", load=loader("y"), size=60, timeout=15) as lease:
+                            got.append(lease.value)
+
+                    tg.start_soon(wanting)
+                    await wait_until(lambda: asked)
+                    lease = await a.acquire("x", load=loader("again"), size=60)
+                    assert lease.value == "x"  # a hit: the entry is still loaded here
+                    del link.give_up
+                    link.give_up(asked[0])
+
+                    await wait_until(
+                        lambda: any(e["event"] == "cachebroker.release.refused" for e in events)
+                    )
+                    [refusal] = [e for e in events if e["event"] == "cachebroker.release.refused"]
+                    assert (refusal["cache"], repr(refusal["key"])) == (f"a@{os.getpid()}", "'x'")
+                    check_books(daemon)
+                    [entry] = [e for e in daemon.listing()["entries"] if e["cache"] == "a"]
+                    assert (entry["state"], entry["leases"]) == ("ready", 1)
+                    assert not got and not freed
+
+                    await lease.release()
+                    await wait_until(lambda: got)
+                    assert got == ["y"] and freed == ["x"]
+                    check_books(daemon)
+
+
+async def test_a_connected_broker_cancelled_from_outside_closes_at_once(
+    procs: Procs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelling the scope around ``Broker.connect()`` cancels its writer too: closing
+    does not wait for it to send what is left (the daemon, seeing the connection end,
+    drops the process's entries all the same)."""
+    # Waiting for the writer would take this long, past the bound of the test.
+    monkeypatch.setattr(_client, "FINISH_TIMEOUT", 20.0)
+    freed: list[Hashable] = []
+    with anyio.fail_after(10):
+        async with serving(procs.socket, 100) as daemon:
+            with anyio.CancelScope() as scope:
+                async with Broker.connect(procs.socket) as broker:
+                    async with broker.cache("c", releaser(freed)) as cache:
+                        await (await cache.acquire("k", load=loader(1), size=10)).release()
+                        scope.cancel()
+                        await anyio.sleep_forever()
+            assert scope.cancelled_caught and freed == ["k"]
+            await wait_until(lambda: not daemon.connections)
+            check_books(daemon)
+            assert daemon.totals()["used"] == {"default": 0}
+
+
+async def test_a_refused_peer_reads_why_even_when_its_hello_comes_late(
+    procs: Procs, events: list[MutableMapping[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer of another user whose hello comes after the daemon decided to refuse it
+    still reads the refusal (the daemon takes the hello first), not a reset connection."""
+    connect_unix = anyio.connect_unix
+
+    async def late(path: str) -> anyio.abc.SocketStream:
+        stream = await connect_unix(path)
+        await wait_until(lambda: any(e["event"] == "cachebroker.peer.refused" for e in events))
+        await anyio.sleep(0.05)  # time for the daemon to close a connection it is done with
+        return stream
+
+    monkeypatch.setattr(anyio, "connect_unix", late)
+    with anyio.fail_after(20):
+        async with serving(procs.socket, 100, uid=os.getuid() + 1):
+            with pytest.raises(BrokerClosed, match="refused this process: user"):
+                async with Broker.connect(procs.socket):
+                    pass
+
+
+async def test_the_daemon_counts_a_process_own_releases_by_their_reason(
+    procs: Procs, events: list[MutableMapping[str, Any]]
+) -> None:
+    """A release the process starts itself (invalidate, closing its cache) is booked by
+    the daemon under that reason, not as an eviction for capacity, however quickly the
+    release is over (reported as ``releasing`` then ``gone``, or ``gone`` at once)."""
+    freed: list[Hashable] = []
+    with anyio.fail_after(20):
+        async with serving(procs.socket, 100) as daemon:
+            async with Broker.connect(procs.socket) as broker:
+                async with broker.cache("c", releaser(freed)) as cache:
+                    for key in ("old", "kept"):
+                        await (await cache.acquire(key, load=loader(key), size=10)).release()
+                    assert await cache.invalidate("old")
+                    await wait_until(lambda: daemon.totals()["used"] == {"default": 10})
+                await wait_until(lambda: daemon.totals()["used"] == {"default": 0})
+                stats = daemon.broker.stats_nowait()
+                assert {r: n for r, n in stats.releases.items() if n} == {
+                    "invalidate": 1,
+                    "close": 1,
+                }
+                assert stats.evictions == 0
+            requested = [e for e in events if e["event"] == "cachebroker.release.requested"]
+            assert {repr(e["key"]): e["reason"] for e in requested if "@" in e["cache"]} == {
+                "'old'": "invalidate",
+                "'kept'": "close",
+            }
+            assert freed == ["old", "kept"]
