@@ -156,10 +156,14 @@ _REFUSALS: dict[str, type[BrokerError]] = {
 
 def encode_error(error: BaseException, owner: str, cache: str) -> dict[str, Any]:
     """``error`` for the wire, its daemon-side owner name ``owner`` written as ``cache``."""
-    fields: dict[str, Any] = {
-        "type": type(error).__name__,
-        "message": str(error).replace(owner, cache),
-    }
+    message = str(error).replace(owner, cache)
+    if isinstance(error, _errors.OutOfSpace) and "broker.forget(" in message:
+        # Another process's quarantined entry: only that process can write it off.
+        message += (
+            " (a quarantined entry named cache@pid belongs to process pid: it is "
+            "written off by forget() there, or when that process ends)"
+        )
+    fields: dict[str, Any] = {"type": type(error).__name__, "message": message}
     if isinstance(error, _errors.RequestTooLarge):
         fields.update(space=error.space, size=error.size, budget=error.budget)
         fields["entry"] = None if error.entry is None else error.entry.replace(owner, cache)
