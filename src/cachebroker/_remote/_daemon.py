@@ -210,16 +210,15 @@ class Connection:
         self.wake.set()
 
     async def writer(self) -> None:
-        with anyio.CancelScope() as scope:
-            self._writer_scope = scope
-            while True:
-                await self.wake.wait()
-                self.wake = anyio.Event()
-                batch, self.outbox = self.outbox, []
-                try:
-                    await wire.send(self.stream, *batch)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    return  # the reader sees the end too
+        """Send what was posted, a batch per write."""
+        while True:
+            await self.wake.wait()
+            self.wake = anyio.Event()
+            batch, self.outbox = self.outbox, []
+            try:
+                await wire.send(self.stream, *batch)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                return  # the reader sees the end too
 
     # ------------------------------------------------------------ messages
 
