@@ -197,7 +197,7 @@ class Link:
         self.address = address
         self.runner = runner
         self.stream: anyio.abc.SocketStream | None = None
-        self.welcome: dict[str, Any] = {}
+        self.rx: BufferedByteReceiveStream | None = None
         self._ids = itertools.count(1)
         #: Entries the daemon knows (from their ``acquire`` on), by number and back.
         self.ids: dict[Entry, int] = {}
@@ -242,8 +242,8 @@ class Link:
                     await wire.send(
                         stream, {"op": "hello", "version": wire.VERSION, "pid": os.getpid()}
                     )
-                    self.rx = BufferedByteReceiveStream(stream)
-                    welcome = await wire.receive(self.rx)
+                    self.rx = rx = BufferedByteReceiveStream(stream)
+                    welcome = await wire.receive(rx)
                 except BaseException:
                     await anyio.aclose_forcefully(stream)
                     raise
@@ -260,7 +260,6 @@ class Link:
                 f"the broker at {address} refused this process: {welcome.get('message')}"
             )
         self.stream = stream
-        self.welcome = welcome
         return welcome
 
     async def finish(self) -> None:
@@ -297,16 +296,18 @@ class Link:
         """The books changed ``entry``: report it in the next batch (``ClientBooks.changed``)."""
         self.dirty[entry] = None
         if not self._waking:
-            self._waking = True
-            self.wake.set()
+            self._wake_writer()
 
     def post(self, message: dict[str, Any]) -> None:
         """Queue ``message`` after every change marked before it."""
         self.collect()
         self.outbox.append(message)
         if not self._waking:
-            self._waking = True
-            self.wake.set()
+            self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        self._waking = True
+        self.wake.set()
 
     def collect(self) -> None:
         """Turn the entries marked since the last batch into reports of what changed."""
@@ -374,7 +375,7 @@ class Link:
     # ------------------------------------------------------------- receiving
 
     async def reader(self) -> None:
-        assert self.stream is not None
+        assert self.stream is not None and self.rx is not None
         try:
             while True:
                 message = await wire.receive(self.rx)
