@@ -31,7 +31,7 @@ from cachebroker._remote import _protocol as wire
 from cachebroker._remote import _serve
 from cachebroker._remote._client import ClientRunner, Link
 from cachebroker._remote._daemon import Connection, Daemon, DaemonBroker
-from cachebroker.probes import NvidiaGPU, SystemMemory
+from cachebroker.probes import NvidiaGPU, Probe, SystemMemory
 
 pytestmark = pytest.mark.anyio
 
@@ -585,3 +585,28 @@ async def test_a_release_the_daemon_asked_for_is_answered_by_its_outcome_alone(
                 await until(lambda: used(daemon) == 60 and "gone" in received)
                 # a went idle, then gone: no "releasing" between, since the daemon asked.
                 assert "releasing" not in received
+
+
+async def test_a_probed_space_in_the_daemon_follows_the_device_for_every_process() -> None:
+    # The device: 100 bytes, of which what the processes' entries hold and what
+    # "another program" takes are not free.
+    other = [0]
+
+    def read() -> tuple[int, int]:
+        held = daemon.runner.core.spaces["gpu"].used
+        return 100, 100 - held - other[0]
+
+    async with serving(budget={"gpu": Probe(read)}, memory_wait=None) as daemon:
+        async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
+            first = Plugin()
+            async with one.cache("w", first) as c1, two.cache("w", Plugin()) as c2:
+                async with c1.acquire("a", load=value(1), size={"gpu": 60}):
+                    pass
+                other[0] = 30  # another program takes 30: a (idle) no longer fits beside b
+                async with c2.acquire("b", load=value(2), size={"gpu": 40}) as lease:
+                    assert lease.value == 2
+                    assert first.released == ["a"]
+                assert daemon.runner.core.spaces["gpu"].capacity == 70
+                with pytest.raises(RequestTooLarge):
+                    await c1.acquire("c", load=value(3), size={"gpu": 101})
+                daemon.runner.core.check()
