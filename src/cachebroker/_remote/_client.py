@@ -80,10 +80,15 @@ class ClientBooks(Core):
         idle_ttl: float | None,
         changed: Callable[[Entry], None] = _unlinked,
         withdrawn: Callable[[Entry], None] = _unlinked,
+        limit: Mapping[str, int] | None = None,
     ) -> None:
         super().__init__(budget, make_policy("lru"), idle_ttl=idle_ttl, retain=True)
         for space in self.spaces.values():
-            space.capacity = space.limit = UNBOUNDED  # the daemon's books say no, not these
+            space.capacity = UNBOUNDED  # the daemon's books say no, not these
+            # ... except to a size above a space's whole budget, which fails
+            # here as in-process: before its load, or once measured (the value
+            # is released through its owner, never kept).
+            space.limit = UNBOUNDED if limit is None else limit.get(space.name, UNBOUNDED)
         self.changed = changed
         #: Called when every requester of a load left: the daemon must know now,
         #: before any later change of these books (not when the load task notices).
@@ -542,7 +547,8 @@ class ClientRunner(Runner):
             budget = wire.charge(welcome, "budget") or {}
             idle_ttl = welcome.get("idle_ttl")
             release_timeout = welcome.get("release_timeout")
-            self.core = ClientBooks(budget, idle_ttl, link.mark, link.withdraw)
+            limit = wire.charge(welcome, "limit")
+            self.core = ClientBooks(budget, idle_ttl, link.mark, link.withdraw, limit)
             self.budget = dict(budget)
             self.idle_ttl = idle_ttl
             self.release_timeout = release_timeout
@@ -615,6 +621,8 @@ class ClientRunner(Runner):
             return None
         used = self.shared_used = wire.charge(totals, "used")
         budget = wire.charge(totals, "budget") or {}
+        limit = wire.charge(totals, "limit") or {}
         for name, space in self.core.spaces.items():  # probed spaces move
             space.budget = budget.get(name, space.budget)
+            space.limit = limit.get(name, space.limit)
         return used

@@ -327,7 +327,11 @@ class Connection:
                     held=held,
                 )
             except Exception as exc:
-                self.mirrors.pop(mirror.id, None)
+                loaded = block.owner.entries.get(mirror.key)
+                if loaded is None or loaded.state is not State.RELEASING:
+                    self.mirrors.pop(mirror.id, None)
+                # (else it was loaded there and refused here, measured too large:
+                # its release waits for the process's "gone" before the bytes come back)
                 mirror.settled.set()
                 if not mirror.cancelled:
                     error = wire.encode_error(exc, block.owner.name, cache)
@@ -595,6 +599,7 @@ class Daemon:
         return {
             "pid": os.getpid(),
             "budget": {name: space.budget for name, space in runner.core.spaces.items()},
+            "limit": {name: space.limit for name, space in runner.core.spaces.items()},
             "idle_ttl": self.broker.idle_ttl,
             "release_timeout": runner.release_timeout,
         }
@@ -604,6 +609,7 @@ class Daemon:
         return {
             "used": {name: space.used for name, space in spaces.items()},
             "budget": {name: space.budget for name, space in spaces.items()},
+            "limit": {name: space.limit for name, space in spaces.items()},
         }
 
     def listing(self, asking: Connection | None = None) -> dict[str, Any]:

@@ -1,0 +1,79 @@
+"""Attacks on connected brokers (``Broker.connect``): races, cancellation, hostile peers.
+
+Each test runs the daemon and its clients in the test's own loop, on every
+backend (``tests/test_remote.py``), and reads the daemon's books between
+steps: they must add up (``Core.check``), never hold more than the budget
+once settled, and be empty once every client has gone.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import cachebroker
+from cachebroker import Broker
+from cachebroker._remote._daemon import Daemon
+from tests.test_remote import Plugin, serving, until, used, value
+
+pytestmark = pytest.mark.anyio
+
+
+def settled(daemon: Daemon) -> None:
+    """The daemon's books add up, and hold no more than the budget."""
+    core = daemon.runner.core
+    core.check()
+    for space in core.spaces.values():
+        assert space.used <= space.limit, (space.name, space.used, space.limit)
+
+
+async def empty(daemon: Daemon) -> None:
+    """Every client has gone: nothing is left in the daemon's books."""
+    await until(lambda: not daemon.connections)
+    await until(lambda: all(s.used == 0 for s in daemon.runner.core.spaces.values()))
+    assert not list(daemon.runner.core.entries())
+    daemon.runner.core.check()
+
+
+async def test_a_value_measured_above_the_whole_budget_is_refused_and_released_as_in_process() -> (
+    None
+):
+    async with serving() as daemon:
+        with anyio.fail_after(10):
+            async with Broker.connect(daemon.address) as broker:
+                plugin = Plugin()
+                async with broker.cache("w", plugin) as cache:
+                    with pytest.raises(cachebroker.RequestTooLarge) as caught:
+                        await cache.acquire("x", load=value(b"x" * 1000), size=len)
+                    assert caught.value.entry == "w:'x'" and "@" not in str(caught.value)
+                    await until(lambda: plugin.released == ["x"])
+                    assert (await broker.stats()).used == {"m": 0}
+                    await until(lambda: used(daemon) == 0 and not daemon.listing()["entries"])
+                    settled(daemon)
+                    # Declared above the budget: refused before it loads, here too.
+                    with pytest.raises(cachebroker.RequestTooLarge, match=r"w:'y'"):
+                        await cache.acquire("y", load=value(1), size=1000)
+            await empty(daemon)
+
+
+async def test_a_value_measured_above_the_budget_keeps_its_bytes_charged_until_released() -> None:
+    async with serving() as daemon:
+        with anyio.fail_after(10):
+            async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
+                slow = Plugin()
+                slow.gate = anyio.Event()
+                async with one.cache("w", slow) as c1, two.cache("w", Plugin()) as c2:
+                    with pytest.raises(cachebroker.RequestTooLarge):
+                        await c1.acquire("x", load=value(b"x" * 1000), size=len)
+                    await until(lambda: bool(daemon.listing()["entries"]))
+                    # Its memory is still taken until its releaser returns: nobody
+                    # else is granted meanwhile.
+                    with pytest.raises(cachebroker.AcquireTimeout):
+                        await c2.acquire("y", load=value(2), size=50, timeout=0.2)
+                    assert used(daemon) == 1000
+                    daemon.runner.core.check()
+                    slow.gate.set()
+                    async with c2.acquire("y", load=value(2), size=50, timeout=5) as lease:
+                        assert lease.value == 2
+                    settled(daemon)
+            await empty(daemon)
