@@ -77,3 +77,34 @@ async def test_a_value_measured_above_the_budget_keeps_its_bytes_charged_until_r
                         assert lease.value == 2
                     settled(daemon)
             await empty(daemon)
+
+
+async def test_a_cache_closed_and_opened_again_and_again_keeps_its_connection() -> None:
+    async with serving(release_timeout=0.05) as daemon:
+        with anyio.fail_after(10):
+            async with Broker.connect(daemon.address) as broker:
+                kept = []
+                for round in range(12):
+                    block = broker.cache("w", Plugin())
+                    cache = await block.__aenter__()
+                    if round in (1, 2):  # closed with a lease held: quarantined, its name kept
+                        kept.append(await cache.acquire("x", load=value(round), size=5))
+                        with pytest.raises(cachebroker.LeasesOutstanding):
+                            await block.__aexit__(None, None, None)
+                    else:
+                        await block.__aexit__(None, None, None)
+                async with broker.cache("w", Plugin()) as cache:
+                    async with cache.acquire("x", load=value("last"), size=10) as lease:
+                        assert lease.value == "last"
+                    (connection,) = daemon.connections.values()
+                    # The names of caches closed for good are not kept for the connection's life.
+                    await until(lambda: len(connection.opened) == 1 + len(kept))
+                    assert len(daemon.names) == len(connection.opened)  # each its own name
+                    await until(lambda: used(daemon) == 10 + 5 * len(kept))
+                    settled(daemon)
+                for lease in kept:
+                    await lease.release()
+                assert await broker.forget("w", "x") == len(kept)
+                await until(lambda: used(daemon) == 0)
+                settled(daemon)
+            await empty(daemon)

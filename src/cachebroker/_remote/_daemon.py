@@ -271,6 +271,10 @@ class Connection:
         finally:
             if self.daemon.connections.get(self.serial) is not self:
                 self.daemon.forget(block.owner, space.name)  # the connection ended
+            elif not any(entry.owner is block.owner for entry in self.runner.core.quarantined):
+                # Closed, and nothing of it is left: its name may be used again.
+                self.opened.remove(space)
+                self.daemon.forget(block.owner, space.name)
 
     def acquire(self, message: dict[str, Any]) -> None:
         id = wire.field(message, "id", int)
@@ -501,9 +505,13 @@ class Daemon:
 
     def owner_name(self, cache: str, connection: Connection) -> str:
         """The name of ``connection``'s cache ``cache`` in the books: ``cache@pid``, made unique."""
-        name = f"{cache}@{connection.pid}"
-        if name in self.names:
-            name = f"{name}.{connection.serial}"
+        base = name = f"{cache}@{connection.pid}"
+        taken = self.runner.core.owners
+        for again in itertools.count(1):
+            if name not in self.names and name not in taken:
+                break
+            # (a cache of that name still closing, or another connection's)
+            name = f"{base}.{connection.serial}" + (f".{again}" if again > 1 else "")
         self.names.add(name)
         return name
 
