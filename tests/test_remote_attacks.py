@@ -13,6 +13,7 @@ import pytest
 
 import cachebroker
 from cachebroker import Broker
+from cachebroker._core import FAIR_REQUESTS
 from cachebroker._remote._daemon import Daemon
 from tests.test_remote import Plugin, serving, until, used, value
 
@@ -108,3 +109,58 @@ async def test_a_cache_closed_and_opened_again_and_again_keeps_its_connection() 
                 await until(lambda: used(daemon) == 0)
                 settled(daemon)
             await empty(daemon)
+
+
+@pytest.mark.parametrize("case", ["one-task", "overlapping", "beside-a-pinned-entry"])
+async def test_a_request_waiting_for_another_process_s_busy_entry_is_not_starved(
+    case: str,
+) -> None:
+    # Process one leases x again and again, with no await between one lease's end
+    # and the next hit (or with leases that overlap): the daemon never sees x
+    # idle. In-process, the waiter gets x's bytes at its first lease end (or,
+    # with overlapping leases, once FAIR_REQUESTS requests were served); here
+    # too, not once the loop is over. A pinned entry, leased or not, is never
+    # what the waiter waits for.
+    overlapping = case == "overlapping"
+    limit = 4 * FAIR_REQUESTS if overlapping else FAIR_REQUESTS // 4
+    size = 50 if case == "beside-a-pinned-entry" else 60
+    async with serving() as daemon:
+        async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
+            async with one.cache("w", Plugin()) as c1, two.cache("w", Plugin()) as c2:
+                pinned = None
+                if case == "beside-a-pinned-entry":
+                    pinned = await c1.acquire("p", load=value("P"), size=50, pin=True)
+                async with c1.acquire("x", load=value("X"), size=size):
+                    pass
+                held = 0 if pinned is None else 1
+                await until(lambda: sum(e["leases"] for e in daemon.listing()["entries"]) == held)
+                got: list[str] = []
+                rounds = [0]
+
+                async def busy(pause: float) -> None:
+                    while not got and rounds[0] < limit:
+                        rounds[0] += 1
+                        async with c1.acquire("x", load=value("X"), size=size, timeout=5):
+                            await anyio.sleep(pause)
+
+                async def other() -> None:
+                    async with c2.acquire("z", load=value("Z"), size=size) as lease:
+                        got.append(lease.value)
+
+                try:
+                    with anyio.fail_after(10):
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(busy, 0.001)
+                            if overlapping:
+                                await anyio.sleep(0.0005)
+                                tg.start_soon(busy, 0.0015)
+                            await anyio.sleep(0.01)
+                            tg.start_soon(other)
+                    assert got == ["Z"]
+                    assert rounds[0] < limit  # served while x was still in use
+                    settled(daemon)
+                finally:
+                    if pinned is not None:
+                        assert pinned.value == "P"
+                        await pinned.release()
+        await empty(daemon)

@@ -28,6 +28,7 @@ import functools
 import itertools
 import os
 import stat
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -35,7 +36,7 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
-from .._core import Entry, Reason, State
+from .._core import Core, Entry, Reason, State
 from .._errors import InvalidArgument, LeasesOutstanding, LoadFailed, ReleaseFailed
 from .._shell._actor import Block
 from .._shell._broker import Broker
@@ -93,6 +94,48 @@ class DaemonRunner(Runner):
         return super()._release_failed(entry, exc)
 
 
+def _nobody(entry: Entry) -> None:
+    """What the books call before the daemon is listening: nothing to tell."""
+
+
+class DaemonBooks(Core):
+    """The daemon's books: a waiter blocked by leased entries says so to their processes.
+
+    In-process, a waiter blocked by leased entries gets their bytes when
+    their last lease ends. Here a lease's end and the next hit in the
+    owner's process may fall in one batch, or the leases overlap: the daemon
+    might never see the entry idle. So it tells the owner's process at once
+    that it wants the entry (``wanted``: the ``want`` message): that process
+    reports the entry's next idle moment even if it leases it again at once,
+    and accepts the release asked then; one whose leases overlap drains it
+    after ``FAIR_REQUESTS`` requests of its own, as in-process.
+    """
+
+    __slots__ = ("wanted", "wanting")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fair_requests = 0
+        self.wanted: Callable[[Entry], None] = _nobody
+        #: Leased entries their processes were told are wanted, until their lease ends.
+        self.wanting: dict[Entry, None] = {}
+
+    def _drain(self, entry: Entry) -> None:
+        if entry not in self.wanting:
+            self.wanting[entry] = None
+            self.wanted(entry)
+
+    def lease_end(self, entry: Entry, task: object, now: float) -> None:
+        Core.lease_end(self, entry, task, now)
+        if not entry.leases and self.wanting:
+            self.wanting.pop(entry, None)
+
+    def _gone(self, entry: Entry) -> None:
+        Core._gone(self, entry)
+        if self.wanting:
+            self.wanting.pop(entry, None)
+
+
 class DaemonBroker(Broker):
     """The broker the daemon runs (``DaemonRunner``).
 
@@ -102,6 +145,7 @@ class DaemonBroker(Broker):
     """
 
     _Runner = DaemonRunner
+    _Books = DaemonBooks
 
     def __init__(self, budget: Any, *, idle_ttl: float | None = None, **settings: Any) -> None:
         super().__init__(budget, **settings)
@@ -400,6 +444,8 @@ class Connection:
         state = mirror.state
         if entry is not None:
             if entry.state is State.READY:
+                # (never a candidate for drain: a pinned entry is never a victim)
+                entry.pinned = state == "pinned"
                 if state in _HOLDING and not mirror.held:
                     core.hit(entry, self.holder)
                     mirror.held, mirror.holder = True, self.holder
@@ -426,7 +472,9 @@ class Connection:
         mirror = self.mirrors.get(key.id)
         if mirror is None:
             return
-        if mirror.state in ("idle", "loading"):
+        if mirror.state in ("idle", "loading", "held"):
+            # (held: leased again since, maybe right after offering it idle, which
+            # the process then accepts to release at that lease's end)
             self.post({"op": "release", "id": mirror.id})
         while True:
             state = mirror.state
@@ -497,6 +545,16 @@ class Daemon:
         #: The owner names in use.
         self.names: set[str] = set()
         self._serials = itertools.count(1)
+        books = self.runner.core
+        if isinstance(books, DaemonBooks):
+            books.wanted = self.want
+
+    def want(self, entry: Entry) -> None:
+        """A waiter is blocked by leased ``entry``: its process is to offer it when idle."""
+        found = self.owners.get(entry.owner)
+        key = entry.key
+        if found is not None and isinstance(key, _Key):
+            found[0].post({"op": "want", "id": key.id})
 
     def forget(self, owner: Any, name: str) -> None:
         """A connection's cache is gone from the books: its name may be used again."""

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 #: The protocol version: a daemon and a client must agree on it.
-VERSION = 1
+VERSION = 2
 
 #: The largest frame either side accepts (a ``ps`` reply of thousands of entries fits).
 MAX_FRAME = 16 << 20
