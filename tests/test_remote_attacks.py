@@ -8,12 +8,16 @@ once settled, and be empty once every client has gone.
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 import cachebroker
 from cachebroker import Broker
 from cachebroker._core import FAIR_REQUESTS
+from cachebroker._remote import _protocol as wire
 from cachebroker._remote._daemon import Daemon
 from tests.test_remote import Plugin, serving, until, used, value
 
@@ -163,4 +167,110 @@ async def test_a_request_waiting_for_another_process_s_busy_entry_is_not_starved
                     if pinned is not None:
                         assert pinned.value == "P"
                         await pinned.release()
+        await empty(daemon)
+
+
+# ------------------------------------------------------------------ hostile peers
+
+_HUGE = {"m": 10**30}
+
+
+def _acquire(id: int, need: int, **fields: Any) -> dict[str, Any]:
+    return {"op": "acquire", "id": id, "cache": "h", "key": f"k{id}", "need": {"m": need}, **fields}
+
+
+#: Valid-looking messages a peer has no business sending, and whether the daemon
+#: closes its connection for them. ``"grant"`` waits for the daemon's grant.
+HOSTILE: dict[str, tuple[bool, list[Any]]] = {
+    "a report before the grant": (
+        True,
+        [_acquire(1, 99), {"op": "report", "id": 1, "state": "held", "charge": {"m": 50}}],
+    ),
+    "a charge above the whole budget, held": (
+        True,
+        [_acquire(1, 10), "grant", {"op": "report", "id": 1, "state": "held", "charge": _HUGE}],
+    ),
+    "a charge in a space the daemon has not": (
+        True,
+        [_acquire(1, 10), "grant", {"op": "report", "id": 1, "state": "idle", "charge": {"z": 5}}],
+    ),
+    "an id acquired twice": (True, [_acquire(1, 10), _acquire(1, 10)]),
+    "a need above the whole budget": (False, [_acquire(1, 10**40)]),
+    "holding its own id, and ids it never had": (False, [_acquire(1, 10, holding=[1, 7, -3])]),
+    "reports of ids it never acquired": (
+        False,
+        [{"op": "report", "id": 1, "state": "gone"}, {"op": "cancel", "id": 1}],
+    ),
+    "held again after quarantined, releasing and gone": (
+        False,
+        [
+            _acquire(1, 10),
+            "grant",
+            {"op": "report", "id": 1, "state": "held", "charge": {"m": 10}},
+            {"op": "report", "id": 1, "state": "quarantined"},
+            {"op": "report", "id": 1, "state": "held"},
+            {"op": "report", "id": 1, "state": "idle"},
+            _acquire(2, 10),
+            "grant",
+            {"op": "report", "id": 2, "state": "held", "charge": {"m": 10}},
+            {"op": "report", "id": 2, "state": "releasing"},
+            {"op": "report", "id": 2, "state": "held"},
+            {"op": "report", "id": 2, "state": "gone"},
+            {"op": "report", "id": 2, "state": "held"},
+            {"op": "cancel", "id": 1},
+        ],
+    ),
+    "a cache closed with requests and leases, then opened again": (
+        False,
+        [
+            _acquire(1, 10),
+            "grant",
+            {"op": "report", "id": 1, "state": "held", "charge": {"m": 10}},
+            _acquire(2, 90),
+            {"op": "close", "cache": "h"},
+            {"op": "open", "cache": "h"},
+            _acquire(3, 10),
+        ],
+    ),
+}
+
+
+async def test_a_hostile_peer_loses_its_connection_and_never_the_daemons_books() -> None:
+    async with serving(release_timeout=0.2) as daemon:
+        async with Broker.connect(daemon.address) as good:
+            async with good.cache("w", Plugin()) as cache:
+                held = await cache.acquire("a", load=value(1), size=5)
+                await until(lambda: used(daemon) == 5)
+                for name, (closed, messages) in HOSTILE.items():
+                    stream = await anyio.connect_unix(daemon.address)
+                    reader = BufferedByteReceiveStream(stream)
+                    await wire.send(stream, {"op": "hello", "version": wire.VERSION, "pid": 1})
+                    await wire.send(stream, {"op": "open", "cache": "h"})
+                    assert (await wire.receive(reader))["op"] == "welcome"
+                    ended = False
+                    for message in messages:
+                        try:
+                            if message == "grant":
+                                with anyio.fail_after(5):
+                                    while (await wire.receive(reader))["op"] != "grant":
+                                        pass
+                            else:
+                                await wire.send(stream, message)
+                                await until(lambda: True)  # (a turn for the daemon)
+                        except (anyio.EndOfStream, anyio.IncompleteRead, OSError):
+                            ended = True
+                            break
+                        settled(daemon)
+                    if not ended:
+                        await anyio.sleep(0.05)
+                    assert (len(daemon.connections) == 1) is closed, name
+                    settled(daemon)
+                    # The well-behaved process goes on, whatever the other one did.
+                    async with cache.acquire("b", load=value(2), size=5, timeout=5) as lease:
+                        assert lease.value == 2, name
+                    await stream.aclose()
+                    await until(lambda: len(daemon.connections) == 1)
+                    await until(lambda: used(daemon) in (5, 10))  # a, and b (idle) if kept
+                    settled(daemon)
+                await held.release()
         await empty(daemon)

@@ -186,6 +186,7 @@ class _Mirror:
         "charge",
         "entry",
         "error",
+        "granted",
         "held",
         "holder",
         "id",
@@ -204,6 +205,7 @@ class _Mirror:
         self.space = space
         #: The process's last report: ``loading`` until its load's outcome.
         self.state = "loading"
+        self.granted = False
         self.charge: dict[str, int] | None = None
         self.reason = Reason.CAPACITY
         self.error = ""
@@ -397,6 +399,7 @@ class Connection:
     async def _load(self, mirror: _Mirror) -> dict[str, int]:
         """The daemon's load of a process's entry: the grant, then the process's outcome."""
         self.post({"op": "grant", "id": mirror.id})
+        mirror.granted = True
         while mirror.state == "loading":
             await mirror.reported.wait()
         if mirror.charge is None:  # the load failed (or was given up) in the process
@@ -428,14 +431,34 @@ class Connection:
         mirror = self.mirrors.get(id)
         if mirror is None:
             return  # cancelled meanwhile, or gone already
+        if not mirror.granted:
+            raise ProtocolError(f"'report' of #{id}, which was never granted")
         if mirror.state == "loading":
-            mirror.charge = wire.charge(message, "charge")
+            mirror.charge = self._charge(message, state)
         mirror.state = state
         if "reason" in message:
             mirror.reason = _REASONS.get(str(message["reason"]), Reason.CAPACITY)
         if state == "quarantined":
             mirror.error = str(message.get("error", ""))
         self.reconcile(mirror)
+
+    def _charge(self, message: dict[str, Any], state: str) -> dict[str, int] | None:
+        """A loaded entry's measured charge: in the daemon's spaces, and kept only within them.
+
+        A process refuses a value measured above a space's whole budget
+        (``RequestTooLarge``) and releases it: one that keeps it breaks the protocol.
+        """
+        charge = wire.charge(message, "charge")
+        spaces = self.runner.core.spaces
+        for name, amount in (charge or {}).items():
+            space = spaces.get(name)
+            if space is None:
+                raise ProtocolError(f"'report' message: no space {name!r} in {charge!r}")
+            if amount > space.limit and state not in ("releasing", "quarantined", "gone"):
+                raise ProtocolError(
+                    f"'report' message: {state!r} with {charge!r}, above the space's whole budget"
+                )
+        return charge
 
     def reconcile(self, mirror: _Mirror) -> None:
         """Bring the daemon's entry in line with the process's last report."""
