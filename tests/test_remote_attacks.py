@@ -19,7 +19,7 @@ from cachebroker import Broker
 from cachebroker._core import FAIR_REQUESTS
 from cachebroker._remote import _protocol as wire
 from cachebroker._remote._daemon import Daemon
-from tests.test_remote import Plugin, serving, until, used, value
+from tests.test_remote import Plugin, link_of, serving, states, until, used, value
 
 pytestmark = pytest.mark.anyio
 
@@ -273,4 +273,40 @@ async def test_a_hostile_peer_loses_its_connection_and_never_the_daemons_books()
                     await until(lambda: used(daemon) in (5, 10))  # a, and b (idle) if kept
                     settled(daemon)
                 await held.release()
+        await empty(daemon)
+
+
+async def test_a_release_timed_out_in_the_daemon_but_refused_late_is_asked_again_when_idle() -> None:
+    # The process's loop was busy past the daemon's release timeout: the daemon
+    # quarantined x; then the process answered "held" (it had leased x). Its
+    # bytes must not stay written off while the process keeps x as an ordinary
+    # entry, which forget() there cannot touch.
+    async with serving(release_timeout=0.2) as daemon:
+        async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
+            first = Plugin()
+            async with one.cache("w", first) as c1, two.cache("w", Plugin()) as c2:
+                async with c1.acquire("x", load=value("X"), size=60):
+                    pass
+                await until(lambda: [e["leases"] for e in daemon.listing()["entries"]] == [0])
+                link = link_of(one)
+                assert link is not None
+                asked: list[int] = []
+                link.give_up = asked.append  # type: ignore[method-assign,assignment]
+                with pytest.raises(cachebroker.OutOfSpace, match="quarantined"):
+                    await c2.acquire("z", load=value("Z"), size=60, timeout=2)
+                assert states(daemon) == ["quarantined"]
+                lease = await c1.acquire("x", load=value("other"), size=60)  # (a hit)
+                await until(
+                    lambda: [m.state for c in daemon.connections.values() for m in c.mirrors.values()]
+                    == ["held"]
+                )
+                del link.give_up
+                link.give_up(asked[0])  # the request, read at last: x is in use
+                assert lease.value == "X"
+                assert await one.forget("w", "x") == 0  # nothing quarantined there
+                await lease.release()
+                await until(lambda: first.released == ["x"] and used(daemon) == 0)
+                async with c2.acquire("z", load=value("Z"), size=60, timeout=5) as got:
+                    assert got.value == "Z"
+                settled(daemon)
         await empty(daemon)

@@ -481,6 +481,11 @@ class Connection:
                     core.let_go(entry, mirror.reason)
             elif entry.state is State.QUARANTINED and state == "gone":
                 core.release_done(entry)  # a late acknowledgement, or forgotten in the process
+            elif entry.state is State.QUARANTINED and state == "idle":
+                # Its release timed out here, then was refused there (leased meanwhile):
+                # it is an ordinary entry there, which forget() cannot write off. Ask
+                # again, now that it is idle; its "gone" is a late acknowledgement.
+                self.post({"op": "release", "id": mirror.id})
             if state == "gone" and entry.state is State.GONE:
                 self.mirrors.pop(mirror.id, None)
         self.runner.apply()
