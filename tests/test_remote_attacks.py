@@ -32,6 +32,11 @@ def settled(daemon: Daemon) -> None:
         assert space.used <= space.limit, (space.name, space.used, space.limit)
 
 
+def mirror_states(daemon: Daemon) -> list[str]:
+    """What the daemon last heard of each entry, from every process."""
+    return [m.state for c in daemon.connections.values() for m in c.mirrors.values()]
+
+
 async def empty(daemon: Daemon) -> None:
     """Every client has gone: nothing is left in the daemon's books."""
     await until(lambda: not daemon.connections)
@@ -276,7 +281,7 @@ async def test_a_hostile_peer_loses_its_connection_and_never_the_daemons_books()
         await empty(daemon)
 
 
-async def test_a_release_timed_out_in_the_daemon_but_refused_late_is_asked_again_when_idle() -> None:
+async def test_a_release_timed_out_here_but_refused_there_is_asked_again_when_idle() -> None:
     # The process's loop was busy past the daemon's release timeout: the daemon
     # quarantined x; then the process answered "held" (it had leased x). Its
     # bytes must not stay written off while the process keeps x as an ordinary
@@ -296,10 +301,7 @@ async def test_a_release_timed_out_in_the_daemon_but_refused_late_is_asked_again
                     await c2.acquire("z", load=value("Z"), size=60, timeout=2)
                 assert states(daemon) == ["quarantined"]
                 lease = await c1.acquire("x", load=value("other"), size=60)  # (a hit)
-                await until(
-                    lambda: [m.state for c in daemon.connections.values() for m in c.mirrors.values()]
-                    == ["held"]
-                )
+                await until(lambda: mirror_states(daemon) == ["held"])
                 del link.give_up
                 link.give_up(asked[0])  # the request, read at last: x is in use
                 assert lease.value == "X"
