@@ -312,3 +312,21 @@ async def test_a_release_timed_out_here_but_refused_there_is_asked_again_when_id
                     assert got.value == "Z"
                 settled(daemon)
         await empty(daemon)
+
+
+async def test_a_deadlock_across_caches_names_the_leases_as_in_process() -> None:
+    async def attempt(broker: Broker) -> cachebroker.DeadlockError:
+        async with broker.cache("v", Plugin()) as v, broker.cache("w", Plugin()) as w:
+            async with v.acquire("a", load=value(1), size=60):
+                with pytest.raises(cachebroker.DeadlockError) as caught:
+                    await w.acquire(("b", 2), load=value(2), size=60)
+        return caught.value
+
+    async with Broker({"m": 100}) as broker:
+        expected = await attempt(broker)
+    async with serving() as daemon:
+        async with Broker.connect(daemon.address) as broker:
+            error = await attempt(broker)
+        await empty(daemon)
+    assert str(error) == str(expected)
+    assert error.leases == expected.leases == (("v", "a"),)

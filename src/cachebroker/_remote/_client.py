@@ -31,7 +31,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
 from .._core import FAIR_REQUESTS, UNBOUNDED, Core, Entry, Owner, Reason, State, Ticket
-from .._errors import BrokerClosed
+from .._errors import BrokerClosed, DeadlockError
 from .._policies import make_policy
 from .._shell._actor import Block
 from .._shell._config import ReleaseFunction, oom_error_types
@@ -457,7 +457,7 @@ class Link:
                 elif op == "fail":
                     admission = self.admitting.get(wire.field(message, "id", int))
                     if admission is not None:
-                        admission.error = wire.decode_error(message.get("error"), self.address)
+                        admission.error = self._refusal(message.get("error"))
                         admission.event.set()
                 elif op == "release":
                     self.give_up(wire.field(message, "id", int))
@@ -478,6 +478,16 @@ class Link:
         except Exception as exc:  # (the connection's end, never the application's)
             self.lost(exc)
             await anyio.aclose_forcefully(self.stream)
+
+    def _refusal(self, fields: Any) -> BaseException:
+        """The error a ``fail`` stands for; a deadlock names this process's leases by key."""
+        error = wire.decode_error(fields, self.address)
+        if isinstance(error, DeadlockError) and isinstance(fields, dict):
+            ids = fields.get("leases")
+            ids = ids if isinstance(ids, list) else []
+            entries = [self.by_id.get(id) for id in ids if type(id) is int]
+            error.leases = tuple((e.owner.name, e.key) for e in entries if e is not None)
+        return error
 
     def give_up(self, id: int) -> None:
         """The daemon asks for entry ``id``'s release: start it, unless the entry is in use."""

@@ -384,7 +384,12 @@ class Connection:
                 # its release waits for the process's "gone" before the bytes come back)
                 mirror.settled.set()
                 if not mirror.cancelled:
-                    error = wire.encode_error(exc, block.owner.name, cache)
+                    names = {
+                        owner.name: name
+                        for owner, (connection, name) in self.daemon.owners.items()
+                        if connection is self
+                    }
+                    error = wire.encode_error(exc, names)
                     self.post({"op": "fail", "id": mirror.id, "error": error})
                 return
         if scope.cancelled_caught:
