@@ -8,6 +8,10 @@ once settled, and be empty once every client has gone.
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
+import tempfile
 from typing import Any
 
 import anyio
@@ -18,7 +22,7 @@ import cachebroker
 from cachebroker import Broker
 from cachebroker._core import FAIR_REQUESTS
 from cachebroker._remote import _protocol as wire
-from cachebroker._remote._daemon import Daemon
+from cachebroker._remote._daemon import Daemon, DaemonBroker
 from tests.test_remote import Plugin, link_of, serving, states, until, used, value
 
 pytestmark = pytest.mark.anyio
@@ -330,3 +334,76 @@ async def test_a_deadlock_across_caches_names_the_leases_as_in_process() -> None
         await empty(daemon)
     assert str(error) == str(expected)
     assert error.leases == expected.leases == (("v", "a"),)
+
+
+async def test_a_daemon_gone_mid_grant_mid_load_and_mid_release_then_served_again() -> None:
+    directory = tempfile.mkdtemp(prefix="cb-", dir="/tmp")
+    address = os.path.join(directory, "s.sock")
+    try:
+        with anyio.fail_after(20):
+            daemon = Daemon(DaemonBroker(budget={"m": 100}), address)
+            async with anyio.create_task_group() as tg:
+                scope = anyio.CancelScope()
+
+                async def run() -> None:
+                    with scope:
+                        await daemon.run()
+
+                tg.start_soon(run)
+                await until(lambda: daemon.runner.running and os.path.exists(address))
+                slow = Plugin()
+                slow.gate = anyio.Event()
+                loading = anyio.Event()
+                finish = anyio.Event()
+
+                async def load() -> str:
+                    loading.set()
+                    await finish.wait()
+                    return "L"
+
+                async with Broker.connect(address) as one, Broker.connect(address) as two:
+                    async with one.cache("w", slow) as c1, two.cache("w", Plugin()) as c2:
+                        async with c1.acquire("idle", load=value("I"), size=40):
+                            pass
+                        held = await c2.acquire("held", load=value("H"), size=30)
+                        outcomes: dict[str, Any] = {}
+
+                        async def ask(cache: Any, key: str, size: int, **kw: Any) -> None:
+                            try:
+                                async with cache.acquire(key, size=size, **kw) as lease:
+                                    outcomes[key] = lease.value
+                            except cachebroker.BrokerError as exc:
+                                outcomes[key] = exc
+
+                        async with anyio.create_task_group() as inner:
+                            inner.start_soon(functools.partial(ask, c2, "loading", 20, load=load))
+                            await loading.wait()  # granted: 90 of 100 taken
+                            # evicts "idle", whose releaser hangs: a release in flight
+                            inner.start_soon(
+                                functools.partial(ask, c2, "evicting", 40, load=value(1))
+                            )
+                            await until(lambda: states(daemon).count("releasing") == 1)
+                            inner.start_soon(
+                                functools.partial(ask, c1, "waiting", 90, load=value(2))
+                            )
+                            await until(lambda: len(daemon.runner.core.queue) == 2)
+                            scope.cancel()  # the daemon goes
+                            await until(lambda: len(outcomes) == 2)
+                            finish.set()
+                            slow.gate.set()
+                        assert isinstance(outcomes["evicting"], cachebroker.BrokerClosed)
+                        assert isinstance(outcomes["waiting"], cachebroker.BrokerClosed)
+                        assert outcomes["loading"] == "L"  # loaded here, granted before
+                        assert held.value == "H"
+                        await held.release()
+                        await until(lambda: slow.released == ["idle"])
+            assert not os.path.exists(address)  # noqa: ASYNC240
+            # A new daemon at the same address serves new connections.
+            async with serving(budget={"m": 100}) as again:
+                async with Broker.connect(again.address) as broker:
+                    async with broker.cache("w", Plugin()) as cache:
+                        async with cache.acquire("x", load=value("X"), size=100) as lease:
+                            assert lease.value == "X"
+                await empty(again)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
