@@ -407,3 +407,33 @@ async def test_a_daemon_gone_mid_grant_mid_load_and_mid_release_then_served_agai
                 await empty(again)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_a_value_the_daemon_cannot_fit_beside_quarantined_bytes_stays_on_its_books() -> None:
+    # Measured after its load (its size unknown before), x fits the budget but not
+    # beside the bytes of a failed release: the daemon refuses it, though the
+    # process has already handed it out. Its bytes must stay on the daemon's
+    # books while the process holds it, and follow it out.
+    class Failing(Plugin):
+        async def release(self, key: Any, value: Any) -> None:
+            raise RuntimeError("cannot free")
+
+    async with serving() as daemon:
+        async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
+            first = Plugin()
+            async with one.cache("w", first) as c1, two.cache("q", Failing()) as c2:
+                async with c2.acquire("q", load=value("Q"), size=80):
+                    pass
+                assert await c2.invalidate("q")
+                await until(lambda: states(daemon) == ["quarantined"])
+                async with c1.acquire("x", load=value(b"x" * 30), size=len) as lease:
+                    assert lease.value == b"x" * 30
+                    await until(lambda: used(daemon) == 110)
+                    daemon.runner.core.check()
+                await until(lambda: first.released == ["x"])
+                await until(lambda: used(daemon) == 80)
+                daemon.runner.core.check()
+                assert await two.forget("q", "q") == 1
+                await until(lambda: used(daemon) == 0)
+                settled(daemon)
+        await empty(daemon)

@@ -378,10 +378,15 @@ class Connection:
                 )
             except Exception as exc:
                 loaded = block.owner.entries.get(mirror.key)
-                if loaded is None or loaded.state is not State.RELEASING:
-                    self.mirrors.pop(mirror.id, None)
-                # (else it was loaded there and refused here, measured too large:
-                # its release waits for the process's "gone" before the bytes come back)
+                if loaded is not None and loaded.state in (State.RELEASING, State.READY):
+                    # Loaded there, refused here (measured too large, or not beside
+                    # quarantined bytes): its bytes stay charged until the process's
+                    # "gone"; one it holds already (the release refused) stays its entry.
+                    mirror.entry = loaded
+                    mirror.settled.set()
+                    self.reconcile(mirror)
+                    return
+                self.mirrors.pop(mirror.id, None)
                 mirror.settled.set()
                 if not mirror.cancelled:
                     names = {
