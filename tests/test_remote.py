@@ -591,12 +591,14 @@ async def test_a_probed_space_in_the_daemon_follows_the_device_for_every_process
     # The device: 100 bytes, of which what the processes' entries hold and what
     # "another program" takes are not free.
     other = [0]
+    books: list[Any] = []  # (the daemon's, once it exists)
 
     def read() -> tuple[int, int]:
-        held = daemon.runner.core.spaces["gpu"].used
+        held = books[0].spaces["gpu"].used if books else 0
         return 100, 100 - held - other[0]
 
     async with serving(budget={"gpu": Probe(read)}, memory_wait=None) as daemon:
+        books.append(daemon.runner.core)
         async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
             first = Plugin()
             async with one.cache("w", first) as c1, two.cache("w", Plugin()) as c2:

@@ -31,6 +31,7 @@ from . import _aliases, _invariants
 from ._aliases import canonical
 from ._effects import CancelLoad, Effect, OwnerEmpty, Quarantined, Settled, StartLoad, StartRelease
 from ._model import (
+    FAIR_REQUESTS,
     REMEMBERED_SIZES,
     Entry,
     Owner,
@@ -87,6 +88,7 @@ class Core:
         "closed",
         "effects",
         "evictions",
+        "fair_requests",
         "idle_count",
         "idle_ttl",
         "load_failures",
@@ -176,6 +178,9 @@ class Core:
         #: The request clock at which a blocked waiter becomes due for
         #: ``_scheduler.drain``.
         self._fair_at = math.inf
+        #: Requests served after a waiter blocked by leased entries before they
+        #: are drained for it (``_scheduler.drain``).
+        self.fair_requests = FAIR_REQUESTS
 
     @property
     def hits(self) -> int:
@@ -1047,6 +1052,10 @@ class Core:
                     count += 1
         schedule(self)
         return count
+
+    def _drain(self, entry: Entry) -> None:
+        """Leased ``entry``'s bytes are due to a waiter that waited long (``_scheduler.drain``)."""
+        self._doom(entry, Reason.CAPACITY)
 
     def _doom(self, entry: Entry, reason: Reason) -> None:
         """Release ``entry`` now, or, while leased, when its last lease ends.

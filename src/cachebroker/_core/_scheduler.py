@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ._effects import Settled
-from ._model import FAIR_REQUESTS, Entry, Reason, State
+from ._model import Entry, Reason, State
 
 if TYPE_CHECKING:
     from ._books import Core
@@ -170,13 +170,14 @@ def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
 
     Hits bypass the queue, so entries that are leased again and again
     would never all be idle at once for a waiter at the head of a space.
-    Once ``FAIR_REQUESTS`` requests have been served since the waiter was
-    queued, enough leased entries (least recently requested first, never
-    pinned ones) are doomed to cover its shortfall: they give their key up
-    at once (new acquires of it queue behind the waiter) and are released
-    when their last lease ends.
+    Once ``books.fair_requests`` (``FAIR_REQUESTS``) requests have been
+    served since the waiter was queued, enough leased entries (least
+    recently requested first, never pinned ones) are doomed to cover its
+    shortfall (``Core._drain``): they give their key up at once (new
+    acquires of it queue behind the waiter) and are released when their
+    last lease ends.
     """
-    due = waiter.queued_tick + FAIR_REQUESTS
+    due = waiter.queued_tick + books.fair_requests
     if books.tick < due:
         books._fair_at = min(books._fair_at, due)  # checked when a lease ends
         return
@@ -195,7 +196,7 @@ def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
         for entry in candidates:
             if coming >= short:
                 break
-            books._doom(entry, Reason.CAPACITY)
+            books._drain(entry)
             coming += entry.charge[name]
 
 

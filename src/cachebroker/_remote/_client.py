@@ -30,8 +30,8 @@ import anyio.lowlevel
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
-from .._core import UNBOUNDED, Core, Entry, Owner, Reason, State, Ticket
-from .._errors import BrokerClosed
+from .._core import FAIR_REQUESTS, UNBOUNDED, Core, Entry, Owner, Reason, State, Ticket
+from .._errors import BrokerClosed, DeadlockError
 from .._policies import make_policy
 from .._shell._actor import Block
 from .._shell._config import ReleaseFunction, oom_error_types
@@ -72,7 +72,7 @@ class ClientBooks(Core):
     sent.
     """
 
-    __slots__ = ("changed", "charges", "reasons", "withdrawn")
+    __slots__ = ("changed", "charges", "offer", "offered", "reasons", "wanted", "withdrawn")
 
     def __init__(
         self,
@@ -80,10 +80,16 @@ class ClientBooks(Core):
         idle_ttl: float | None,
         changed: Callable[[Entry], None] = _unlinked,
         withdrawn: Callable[[Entry], None] = _unlinked,
+        limit: Mapping[str, int] | None = None,
+        offer: Callable[[Entry], None] = _unlinked,
     ) -> None:
         super().__init__(budget, make_policy("lru"), idle_ttl=idle_ttl, retain=True)
         for space in self.spaces.values():
-            space.capacity = space.limit = UNBOUNDED  # the daemon's books say no, not these
+            space.capacity = UNBOUNDED  # the daemon's books say no, not these
+            # ... except to a size above a space's whole budget, which fails
+            # here as in-process: before its load, or once measured (the value
+            # is released through its owner, never kept).
+            space.limit = UNBOUNDED if limit is None else limit.get(space.name, UNBOUNDED)
         self.changed = changed
         #: Called when every requester of a load left: the daemon must know now,
         #: before any later change of these books (not when the load task notices).
@@ -92,11 +98,24 @@ class ClientBooks(Core):
         self.charges: dict[Entry, dict[str, int]] = {}
         #: Why each releasing entry is released.
         self.reasons: dict[Entry, Reason] = {}
+        #: Leased entries the shared broker wants (``want``), and the request
+        #: clock at which they are drained if their leases keep overlapping.
+        self.wanted: dict[Entry, int] = {}
+        #: Wanted entries whose last lease ended, reported idle at once (``offer``):
+        #: a release asked for now is accepted, even if leased again meanwhile.
+        self.offered: dict[Entry, None] = {}
+        self.offer = offer
 
     def hit(self, entry: Entry, task: object) -> None:
         if not entry.leases:
             self.changed(entry)
         Core.hit(self, entry, task)
+        wanted = self.wanted
+        if wanted and entry in wanted and wanted[entry] <= self.tick:
+            # Its leases kept overlapping: new requests load afresh (behind the
+            # shared broker's waiter), and it goes when its last lease ends.
+            del self.wanted[entry]
+            self._doom(entry, Reason.CAPACITY)
 
     def leave(self, ticket: Ticket) -> None:
         Core.leave(self, ticket)
@@ -114,6 +133,23 @@ class ClientBooks(Core):
         Core.lease_end(self, entry, task, now)
         if not entry.leases:
             self.changed(entry)
+            if self.offered:
+                self.offered.pop(entry, None)
+            wanted = self.wanted and self.wanted.pop(entry, None) is not None
+            if wanted and entry.state is State.READY:
+                self.offered[entry] = None
+                self.offer(entry)
+
+    def give_up(self, entry: Entry) -> bool:
+        if Core.give_up(self, entry):
+            return True
+        if entry in self.offered:
+            # Offered idle, leased again before the release asked for then arrived:
+            # it goes when its last lease ends.
+            del self.offered[entry]
+            if not entry.pinned:
+                self.let_go(entry, Reason.CAPACITY)
+        return False
 
     def configure(
         self, entry: Entry, *, idle_ttl: float | None = None, pin: bool | None = None
@@ -128,6 +164,25 @@ class ClientBooks(Core):
         if unpinned and entry is not None:
             self.changed(entry)
         return unpinned
+
+    def want(self, entry: Entry) -> None:
+        """The shared broker has a request blocked by leased ``entry`` (``want``).
+
+        In-process, that request gets the bytes at the entry's next idle
+        moment, which the shared broker may never see (a lease's end and the
+        next hit can fall in one batch): that moment is reported at once
+        (``offered``) and a release asked for then is accepted, the entry
+        going when its last lease ends. Leases that keep overlapping are
+        drained after ``FAIR_REQUESTS`` requests, as in-process.
+        """
+        if (
+            entry.state is State.READY
+            and entry.leases
+            and not entry.pinned
+            and entry.doomed is None
+            and entry not in self.wanted
+        ):
+            self.wanted[entry] = self.tick + FAIR_REQUESTS
 
     def load_done(self, entry: Entry, value: Any, *args: Any, **kwargs: Any) -> None:
         loading = entry.state is State.LOADING
@@ -146,6 +201,10 @@ class ClientBooks(Core):
 
     def _start_release(self, entry: Entry, reason: Reason) -> None:
         self.reasons[entry] = reason
+        if self.wanted:
+            self.wanted.pop(entry, None)
+        if self.offered:
+            self.offered.pop(entry, None)
         Core._start_release(self, entry, reason)
         self.changed(entry)
 
@@ -156,6 +215,10 @@ class ClientBooks(Core):
     def _gone(self, entry: Entry) -> None:
         Core._gone(self, entry)
         self.changed(entry)
+        if self.wanted:
+            self.wanted.pop(entry, None)
+        if self.offered:
+            self.offered.pop(entry, None)
 
 
 #: Reports of an entry on its way out, which say why (``reason``).
@@ -166,7 +229,7 @@ def _report(entry: Entry) -> str:
     """What the daemon is to know of ``entry`` now."""
     state = entry.state
     if state is State.READY:
-        return "held" if entry.leases else "pinned" if entry.pinned else "idle"
+        return "pinned" if entry.pinned else "held" if entry.leases else "idle"
     if state is State.LOADING or state is State.WAITING:
         return "loading"
     return str(state.value)  # releasing, quarantined, gone
@@ -298,6 +361,14 @@ class Link:
         if not self._waking:
             self._wake_writer()
 
+    def offer(self, entry: Entry) -> None:
+        """Report ``entry`` idle now, whatever the next batch would say (``ClientBooks.want``)."""
+        self.dirty[entry] = None
+        self.collect()
+        if not self._waking:
+            self._waking = True
+            self.wake.set()
+
     def post(self, message: dict[str, Any]) -> None:
         """Queue ``message`` after every change marked before it."""
         self.collect()
@@ -387,10 +458,16 @@ class Link:
                 elif op == "fail":
                     admission = self.admitting.get(wire.field(message, "id", int))
                     if admission is not None:
-                        admission.error = wire.decode_error(message.get("error"), self.address)
+                        admission.error = self._refusal(message.get("error"))
                         admission.event.set()
                 elif op == "release":
                     self.give_up(wire.field(message, "id", int))
+                elif op == "want":
+                    entry = self.by_id.get(wire.field(message, "id", int))
+                    if entry is not None:  # (else it is gone: its report is on its way)
+                        core = self.runner.core
+                        assert isinstance(core, ClientBooks)
+                        core.want(entry)
                 elif op == "totals":
                     self.totals = message
                     if self._totals_wait is not None:
@@ -402,6 +479,16 @@ class Link:
         except Exception as exc:  # (the connection's end, never the application's)
             self.lost(exc)
             await anyio.aclose_forcefully(self.stream)
+
+    def _refusal(self, fields: Any) -> BaseException:
+        """The error a ``fail`` stands for; a deadlock names this process's leases by key."""
+        error = wire.decode_error(fields, self.address)
+        if isinstance(error, DeadlockError) and isinstance(fields, dict):
+            ids = fields.get("leases")
+            ids = ids if isinstance(ids, list) else []
+            entries = [self.by_id.get(id) for id in ids if type(id) is int]
+            error.leases = tuple((e.owner.name, e.key) for e in entries if e is not None)
+        return error
 
     def give_up(self, id: int) -> None:
         """The daemon asks for entry ``id``'s release: start it, unless the entry is in use."""
@@ -543,7 +630,10 @@ class ClientRunner(Runner):
             budget = wire.charge(welcome, "budget") or {}
             idle_ttl = welcome.get("idle_ttl")
             release_timeout = welcome.get("release_timeout")
-            self.core = ClientBooks(budget, idle_ttl, link.mark, link.withdraw)
+            limit = wire.charge(welcome, "limit")
+            self.core = ClientBooks(
+                budget, idle_ttl, link.mark, link.withdraw, limit, offer=link.offer
+            )
             self.budget = dict(budget)
             self.idle_ttl = idle_ttl
             self.release_timeout = release_timeout
@@ -616,6 +706,8 @@ class ClientRunner(Runner):
             return None
         used = self.shared_used = wire.charge(totals, "used")
         budget = wire.charge(totals, "budget") or {}
+        limit = wire.charge(totals, "limit") or {}
         for name, space in self.core.spaces.items():  # probed spaces move
             space.budget = budget.get(name, space.budget)
+            space.limit = limit.get(name, space.limit)
         return used

@@ -28,6 +28,7 @@ import functools
 import itertools
 import os
 import stat
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -35,7 +36,7 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
-from .._core import Entry, Reason, State
+from .._core import Core, Entry, Reason, State
 from .._errors import InvalidArgument, LeasesOutstanding, LoadFailed, ReleaseFailed
 from .._shell._actor import Block
 from .._shell._broker import Broker
@@ -93,6 +94,48 @@ class DaemonRunner(Runner):
         return super()._release_failed(entry, exc)
 
 
+def _nobody(entry: Entry) -> None:
+    """What the books call before the daemon is listening: nothing to tell."""
+
+
+class DaemonBooks(Core):
+    """The daemon's books: a waiter blocked by leased entries says so to their processes.
+
+    In-process, a waiter blocked by leased entries gets their bytes when
+    their last lease ends. Here a lease's end and the next hit in the
+    owner's process may fall in one batch, or the leases overlap: the daemon
+    might never see the entry idle. So it tells the owner's process at once
+    that it wants the entry (``wanted``: the ``want`` message): that process
+    reports the entry's next idle moment even if it leases it again at once,
+    and accepts the release asked then; one whose leases overlap drains it
+    after ``FAIR_REQUESTS`` requests of its own, as in-process.
+    """
+
+    __slots__ = ("wanted", "wanting")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fair_requests = 0
+        self.wanted: Callable[[Entry], None] = _nobody
+        #: Leased entries their processes were told are wanted, until their lease ends.
+        self.wanting: dict[Entry, None] = {}
+
+    def _drain(self, entry: Entry) -> None:
+        if entry not in self.wanting:
+            self.wanting[entry] = None
+            self.wanted(entry)
+
+    def lease_end(self, entry: Entry, task: object, now: float) -> None:
+        Core.lease_end(self, entry, task, now)
+        if not entry.leases and self.wanting:
+            self.wanting.pop(entry, None)
+
+    def _gone(self, entry: Entry) -> None:
+        Core._gone(self, entry)
+        if self.wanting:
+            self.wanting.pop(entry, None)
+
+
 class DaemonBroker(Broker):
     """The broker the daemon runs (``DaemonRunner``).
 
@@ -102,6 +145,7 @@ class DaemonBroker(Broker):
     """
 
     _Runner = DaemonRunner
+    _Books = DaemonBooks
 
     def __init__(self, budget: Any, *, idle_ttl: float | None = None, **settings: Any) -> None:
         super().__init__(budget, **settings)
@@ -142,6 +186,7 @@ class _Mirror:
         "charge",
         "entry",
         "error",
+        "granted",
         "held",
         "holder",
         "id",
@@ -160,6 +205,7 @@ class _Mirror:
         self.space = space
         #: The process's last report: ``loading`` until its load's outcome.
         self.state = "loading"
+        self.granted = False
         self.charge: dict[str, int] | None = None
         self.reason = Reason.CAPACITY
         self.error = ""
@@ -270,6 +316,10 @@ class Connection:
         finally:
             if self.daemon.connections.get(self.serial) is not self:
                 self.daemon.forget(block.owner, space.name)  # the connection ended
+            elif not any(entry.owner is block.owner for entry in self.runner.core.quarantined):
+                # Closed, and nothing of it is left: its name may be used again.
+                self.opened.remove(space)
+                self.daemon.forget(block.owner, space.name)
 
     def acquire(self, message: dict[str, Any]) -> None:
         id = wire.field(message, "id", int)
@@ -326,10 +376,24 @@ class Connection:
                     held=held,
                 )
             except Exception as exc:
+                loaded = block.owner.entries.get(mirror.key)
+                if loaded is not None and loaded.state in (State.RELEASING, State.READY):
+                    # Loaded there, refused here (measured too large, or not beside
+                    # quarantined bytes): its bytes stay charged until the process's
+                    # "gone"; one it holds already (the release refused) stays its entry.
+                    mirror.entry = loaded
+                    mirror.settled.set()
+                    self.reconcile(mirror)
+                    return
                 self.mirrors.pop(mirror.id, None)
                 mirror.settled.set()
                 if not mirror.cancelled:
-                    error = wire.encode_error(exc, block.owner.name, cache)
+                    names = {
+                        owner.name: name
+                        for owner, (connection, name) in self.daemon.owners.items()
+                        if connection is self
+                    }
+                    error = wire.encode_error(exc, names)
                     self.post({"op": "fail", "id": mirror.id, "error": error})
                 return
         if scope.cancelled_caught:
@@ -344,6 +408,7 @@ class Connection:
     async def _load(self, mirror: _Mirror) -> dict[str, int]:
         """The daemon's load of a process's entry: the grant, then the process's outcome."""
         self.post({"op": "grant", "id": mirror.id})
+        mirror.granted = True
         while mirror.state == "loading":
             await mirror.reported.wait()
         if mirror.charge is None:  # the load failed (or was given up) in the process
@@ -375,14 +440,34 @@ class Connection:
         mirror = self.mirrors.get(id)
         if mirror is None:
             return  # cancelled meanwhile, or gone already
+        if not mirror.granted:
+            raise ProtocolError(f"'report' of #{id}, which was never granted")
         if mirror.state == "loading":
-            mirror.charge = wire.charge(message, "charge")
+            mirror.charge = self._charge(message, state)
         mirror.state = state
         if "reason" in message:
             mirror.reason = _REASONS.get(str(message["reason"]), Reason.CAPACITY)
         if state == "quarantined":
             mirror.error = str(message.get("error", ""))
         self.reconcile(mirror)
+
+    def _charge(self, message: dict[str, Any], state: str) -> dict[str, int] | None:
+        """A loaded entry's measured charge: in the daemon's spaces, and kept only within them.
+
+        A process refuses a value measured above a space's whole budget
+        (``RequestTooLarge``) and releases it: one that keeps it breaks the protocol.
+        """
+        charge = wire.charge(message, "charge")
+        spaces = self.runner.core.spaces
+        for name, amount in (charge or {}).items():
+            space = spaces.get(name)
+            if space is None:
+                raise ProtocolError(f"'report' message: no space {name!r} in {charge!r}")
+            if amount > space.limit and state not in ("releasing", "quarantined", "gone"):
+                raise ProtocolError(
+                    f"'report' message: {state!r} with {charge!r}, above the space's whole budget"
+                )
+        return charge
 
     def reconcile(self, mirror: _Mirror) -> None:
         """Bring the daemon's entry in line with the process's last report."""
@@ -391,6 +476,8 @@ class Connection:
         state = mirror.state
         if entry is not None:
             if entry.state is State.READY:
+                # (never a candidate for drain: a pinned entry is never a victim)
+                entry.pinned = state == "pinned"
                 if state in _HOLDING and not mirror.held:
                     core.hit(entry, self.holder)
                     mirror.held, mirror.holder = True, self.holder
@@ -403,6 +490,11 @@ class Connection:
                     core.let_go(entry, mirror.reason)
             elif entry.state is State.QUARANTINED and state == "gone":
                 core.release_done(entry)  # a late acknowledgement, or forgotten in the process
+            elif entry.state is State.QUARANTINED and state == "idle":
+                # Its release timed out here, then was refused there (leased meanwhile):
+                # it is an ordinary entry there, which forget() cannot write off. Ask
+                # again, now that it is idle; its "gone" is a late acknowledgement.
+                self.post({"op": "release", "id": mirror.id})
             if state == "gone" and entry.state is State.GONE:
                 self.mirrors.pop(mirror.id, None)
         self.runner.apply()
@@ -417,7 +509,9 @@ class Connection:
         mirror = self.mirrors.get(key.id)
         if mirror is None:
             return
-        if mirror.state in ("idle", "loading"):
+        if mirror.state in ("idle", "loading", "held"):
+            # (held: leased again since, maybe right after offering it idle, which
+            # the process then accepts to release at that lease's end)
             self.post({"op": "release", "id": mirror.id})
         while True:
             state = mirror.state
@@ -488,6 +582,16 @@ class Daemon:
         #: The owner names in use.
         self.names: set[str] = set()
         self._serials = itertools.count(1)
+        books = self.runner.core
+        if isinstance(books, DaemonBooks):
+            books.wanted = self.want
+
+    def want(self, entry: Entry) -> None:
+        """A waiter is blocked by leased ``entry``: its process is to offer it when idle."""
+        found = self.owners.get(entry.owner)
+        key = entry.key
+        if found is not None and isinstance(key, _Key):
+            found[0].post({"op": "want", "id": key.id})
 
     def forget(self, owner: Any, name: str) -> None:
         """A connection's cache is gone from the books: its name may be used again."""
@@ -496,9 +600,13 @@ class Daemon:
 
     def owner_name(self, cache: str, connection: Connection) -> str:
         """The name of ``connection``'s cache ``cache`` in the books: ``cache@pid``, made unique."""
-        name = f"{cache}@{connection.pid}"
-        if name in self.names:
-            name = f"{name}.{connection.serial}"
+        base = name = f"{cache}@{connection.pid}"
+        taken = self.runner.core.owners
+        for again in itertools.count(1):
+            if name not in self.names and name not in taken:
+                break
+            # (a cache of that name still closing, or another connection's)
+            name = f"{base}.{connection.serial}" + (f".{again}" if again > 1 else "")
         self.names.add(name)
         return name
 
@@ -594,6 +702,7 @@ class Daemon:
         return {
             "pid": os.getpid(),
             "budget": {name: space.budget for name, space in runner.core.spaces.items()},
+            "limit": {name: space.limit for name, space in runner.core.spaces.items()},
             "idle_ttl": self.broker.idle_ttl,
             "release_timeout": runner.release_timeout,
         }
@@ -603,6 +712,7 @@ class Daemon:
         return {
             "used": {name: space.used for name, space in spaces.items()},
             "budget": {name: space.budget for name, space in spaces.items()},
+            "limit": {name: space.limit for name, space in spaces.items()},
         }
 
     def listing(self, asking: Connection | None = None) -> dict[str, Any]:

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 #: The protocol version: a daemon and a client must agree on it.
-VERSION = 1
+VERSION = 2
 
 #: The largest frame either side accepts (a ``ps`` reply of thousands of entries fits).
 MAX_FRAME = 16 << 20
@@ -154,9 +154,19 @@ _REFUSALS: dict[str, type[BrokerError]] = {
 }
 
 
-def encode_error(error: BaseException, owner: str, cache: str) -> dict[str, Any]:
-    """``error`` for the wire, its daemon-side owner name ``owner`` written as ``cache``."""
-    message = str(error).replace(owner, cache)
+def encode_error(error: BaseException, names: Mapping[str, str]) -> dict[str, Any]:
+    """``error`` for the wire, each daemon-side owner name in ``names`` written as its cache's.
+
+    A ``DeadlockError`` carries the numbers of the requester's entries it
+    names (``leases``), for the process to name them as it knows them.
+    """
+
+    def mine(text: str) -> str:
+        for owner in sorted(names, key=len, reverse=True):  # (w@1.2 before w@1)
+            text = text.replace(owner, names[owner])
+        return text
+
+    message = mine(str(error))
     if isinstance(error, _errors.OutOfSpace) and "broker.forget(" in message:
         # Another process's quarantined entry: only that process can write it off.
         message += (
@@ -166,7 +176,10 @@ def encode_error(error: BaseException, owner: str, cache: str) -> dict[str, Any]
     fields: dict[str, Any] = {"type": type(error).__name__, "message": message}
     if isinstance(error, _errors.RequestTooLarge):
         fields.update(space=error.space, size=error.size, budget=error.budget)
-        fields["entry"] = None if error.entry is None else error.entry.replace(owner, cache)
+        fields["entry"] = None if error.entry is None else mine(error.entry)
+    if isinstance(error, _errors.DeadlockError):
+        ids = (getattr(key, "id", None) for _owner, key in error.leases)
+        fields["leases"] = [id for id in ids if isinstance(id, int)]
     return fields
 
 

@@ -107,8 +107,10 @@ class Broker:
     .. versionadded:: 0.1.0
     """
 
-    #: What runs the books (the daemon of ``cachebroker serve`` runs its own kind).
+    #: What runs the books, and the books (the daemon of ``cachebroker serve``
+    #: runs its own kinds).
     _Runner: type[Runner] = Runner
+    _Books: type[Core] = Core
 
     def __init__(
         self,
@@ -142,7 +144,7 @@ class Broker:
         lease_warning = positive_seconds(lease_warning, "lease_warning", inf_is_none=True)
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
-        core = self._core = Core(
+        core = self._core = self._Books(
             spaces,
             make_policy(policy),
             idle_ttl=idle_ttl,
