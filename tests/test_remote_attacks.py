@@ -437,3 +437,22 @@ async def test_a_value_the_daemon_cannot_fit_beside_quarantined_bytes_stays_on_i
                 await until(lambda: used(daemon) == 0)
                 settled(daemon)
         await empty(daemon)
+
+
+async def test_concurrent_stats_each_get_the_daemons_totals_without_waiting_out_a_timeout() -> None:
+    async with serving() as daemon:
+        async with Broker.connect(daemon.address) as broker:
+            async with broker.cache("w", Plugin()) as cache:
+                async with cache.acquire("a", load=value(1), size=30):
+                    results: list[Any] = []
+
+                    async def stats() -> None:
+                        results.append((await broker.stats()).broker_used)
+
+                    # (a bound well under the 5 s a reply nobody wakes for would take)
+                    with anyio.fail_after(2):
+                        async with anyio.create_task_group() as tg:
+                            for _ in range(3):
+                                tg.start_soon(stats)
+                    assert results == [{"m": 30}] * 3
+        await empty(daemon)
