@@ -529,8 +529,8 @@ async def test_churn_and_cancellation_everywhere_leave_the_daemon_holding_what_p
                             for _ in range(6):
                                 tg.start_soon(worker)
                     for cache in caches:
-                        for key in range(6):
-                            await cache.unpin(key)
+                        for number in range(6):
+                            await cache.unpin(number)
                     for broker in (one, two):
                         for name, key in (await broker.stats()).quarantined_keys:
                             await broker.forget(name, key)
