@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import shutil
 import tempfile
 from typing import Any
@@ -436,4 +437,111 @@ async def test_a_value_the_daemon_cannot_fit_beside_quarantined_bytes_stays_on_i
                 assert await two.forget("q", "q") == 1
                 await until(lambda: used(daemon) == 0)
                 settled(daemon)
+        await empty(daemon)
+
+
+async def test_concurrent_stats_each_get_the_daemons_totals_without_waiting_out_a_timeout() -> None:
+    async with serving() as daemon:
+        async with Broker.connect(daemon.address) as broker:
+            async with broker.cache("w", Plugin()) as cache:
+                async with cache.acquire("a", load=value(1), size=30):
+                    results: list[Any] = []
+
+                    async def stats() -> None:
+                        results.append((await broker.stats()).broker_used)
+
+                    # (a bound well under the 5 s a reply nobody wakes for would take)
+                    with anyio.fail_after(2):
+                        async with anyio.create_task_group() as tg:
+                            for _ in range(3):
+                                tg.start_soon(stats)
+                    assert results == [{"m": 30}] * 3
+        await empty(daemon)
+
+
+class _Flaky:
+    """A releaser that sometimes raises, and sometimes takes a moment."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    async def release(self, key: Any, value: Any) -> None:
+        if self.rng.random() < 0.15:
+            raise RuntimeError("cannot free")
+        await anyio.sleep(self.rng.choice([0, 0, 0.001]))
+
+
+async def test_churn_and_cancellation_everywhere_leave_the_daemon_holding_what_processes_do() -> (
+    None
+):
+    # Tasks of two processes acquire, measure, pin, invalidate, time out and are
+    # cancelled at random points, loaders fail, releasers fail: the daemon's
+    # books add up at every moment, and once all is quiet they hold what the
+    # processes hold, nothing more.
+    rng = random.Random(7)
+    async with serving(release_timeout=0.5) as daemon:
+        quiet = anyio.Event()
+
+        async def watch() -> None:
+            while not quiet.is_set():
+                daemon.runner.core.check()
+                await anyio.sleep(0.002)
+
+        async with anyio.create_task_group() as watching:
+            watching.start_soon(watch)
+            async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
+                async with (
+                    one.cache("w", _Flaky(rng)) as c1,
+                    two.cache("w", _Flaky(rng)) as c2,
+                    one.cache("v", _Flaky(rng)) as c3,
+                ):
+                    caches = [c1, c2, c3]
+
+                    async def load() -> bytes:
+                        await anyio.sleep(rng.choice([0, 0.001, 0.003]))
+                        if rng.random() < 0.05:
+                            raise ValueError("no weights")
+                        return b"x" * rng.choice([5, 10, 25, 40])
+
+                    async def worker() -> None:
+                        for _ in range(30):
+                            cache, key = rng.choice(caches), rng.randrange(6)
+                            if rng.random() < 0.1:
+                                await cache.invalidate(key)
+                                continue
+                            size: Any = rng.choice([10, 20, 30, 45, 60, len])
+                            options: dict[str, Any] = {
+                                "pin": rng.random() < 0.1,
+                                "idle_ttl": rng.choice([None, None, 0, 0.005]),
+                                "timeout": rng.choice([None, 0.02, 0.2]),
+                            }
+                            if size is not len and rng.random() < 0.3:
+                                options["measure"] = len
+                            try:
+                                with anyio.move_on_after(rng.choice([0.001, 0.01, 0.05, 0.2])):
+                                    async with cache.acquire(key, load=load, size=size, **options):
+                                        await anyio.sleep(rng.choice([0, 0.001, 0.005]))
+                            except (cachebroker.BrokerError, ValueError):
+                                pass
+
+                    with anyio.fail_after(20):
+                        async with anyio.create_task_group() as tg:
+                            for _ in range(6):
+                                tg.start_soon(worker)
+                    for cache in caches:
+                        for number in range(6):
+                            await cache.unpin(number)
+                    for broker in (one, two):
+                        for name, key in (await broker.stats()).quarantined_keys:
+                            await broker.forget(name, key)
+
+                    async def agree() -> bool:
+                        held = [(await b.stats()).used["m"] for b in (one, two)]
+                        return used(daemon) == sum(held)
+
+                    with anyio.fail_after(5):
+                        while not await agree():
+                            await anyio.sleep(0.01)
+                    settled(daemon)
+            quiet.set()
         await empty(daemon)

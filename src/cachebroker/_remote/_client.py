@@ -280,7 +280,10 @@ class Link:
         self.closing = False
         self.drained = anyio.Event()
         self.totals: dict[str, Any] | None = None
+        #: Set (and renewed) at each ``totals`` answer; the answers asked for and
+        #: had, in order, so that concurrent ``stats()`` each wait for their own.
         self._totals_wait: anyio.Event | None = None
+        self._totals_asked = self._totals_had = 0
 
     # ------------------------------------------------------------ life cycle
 
@@ -470,8 +473,10 @@ class Link:
                         core.want(entry)
                 elif op == "totals":
                     self.totals = message
+                    self._totals_had += 1
                     if self._totals_wait is not None:
                         self._totals_wait.set()
+                        self._totals_wait = None
                 elif op == "error":
                     raise ProtocolError(f"the broker said: {message.get('message')}")
                 else:
@@ -585,10 +590,14 @@ class Link:
         """The daemon's books per space now (``Stats.broker_used``); ``None`` when it is gone."""
         if self.error is not None:
             return None
-        wait = self._totals_wait = anyio.Event()
+        self._totals_asked += 1
+        mine = self._totals_asked
         self.post({"op": "totals"})
         with anyio.move_on_after(TOTALS_TIMEOUT):
-            await wait.wait()
+            while self._totals_had < mine and self.error is None:
+                if self._totals_wait is None:
+                    self._totals_wait = anyio.Event()
+                await self._totals_wait.wait()
         return self.totals
 
 
