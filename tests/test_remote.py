@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import pytest
 
@@ -53,6 +54,20 @@ async def serving(**settings: Any) -> AsyncIterator[Daemon]:
                     tg.cancel_scope.cancel()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+async def stoppable(tg: anyio.abc.TaskGroup, address: str) -> tuple[Daemon, anyio.CancelScope]:
+    """A daemon at ``address``, run in ``tg``, and the scope whose cancelling makes it go."""
+    daemon = Daemon(DaemonBroker(budget={"m": 100}), address)
+    scope = anyio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await daemon.run()
+
+    tg.start_soon(run)
+    await until(lambda: daemon.runner.running and os.path.exists(address))
+    return daemon, scope
 
 
 async def until(condition: Callable[[], bool]) -> None:
@@ -308,17 +323,8 @@ async def test_when_the_daemon_goes_held_leases_work_and_requests_raise_broker_c
     directory = tempfile.mkdtemp(prefix="cb-", dir="/tmp")
     address = os.path.join(directory, "s.sock")
     try:
-        daemon = Daemon(DaemonBroker(budget={"m": 100}), address)
         async with anyio.create_task_group() as tg:
-            scope = anyio.CancelScope()
-
-            async def run() -> None:
-                with scope:
-                    await daemon.run()
-
-            tg.start_soon(run)
-            await until(lambda: os.path.exists(address))
-            await until(lambda: daemon.runner.running)
+            _daemon, scope = await stoppable(tg, address)
             async with Broker.connect(address) as broker:
                 async with broker.cache("w", Plugin()) as cache:
                     held = await cache.acquire("a", load=value("A"), size=10)

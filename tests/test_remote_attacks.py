@@ -23,8 +23,8 @@ import cachebroker
 from cachebroker import Broker
 from cachebroker._core import FAIR_REQUESTS
 from cachebroker._remote import _protocol as wire
-from cachebroker._remote._daemon import Daemon, DaemonBroker
-from tests.test_remote import Plugin, link_of, serving, states, until, used, value
+from cachebroker._remote._daemon import Daemon
+from tests.test_remote import Plugin, link_of, serving, states, stoppable, until, used, value
 
 pytestmark = pytest.mark.anyio
 
@@ -342,16 +342,8 @@ async def test_a_daemon_gone_mid_grant_mid_load_and_mid_release_then_served_agai
     address = os.path.join(directory, "s.sock")
     try:
         with anyio.fail_after(20):
-            daemon = Daemon(DaemonBroker(budget={"m": 100}), address)
             async with anyio.create_task_group() as tg:
-                scope = anyio.CancelScope()
-
-                async def run() -> None:
-                    with scope:
-                        await daemon.run()
-
-                tg.start_soon(run)
-                await until(lambda: daemon.runner.running and os.path.exists(address))
+                daemon, scope = await stoppable(tg, address)
                 slow = Plugin()
                 slow.gate = anyio.Event()
                 loading = anyio.Event()
