@@ -305,11 +305,7 @@ class Link:
                             f"the socket at {address} is served by user {uid}, not by you "
                             f"(user {os.getuid()}): refusing to use it"
                         )
-                    await wire.send(
-                        stream, {"op": "hello", "version": wire.VERSION, "pid": os.getpid()}
-                    )
-                    self.rx = rx = BufferedByteReceiveStream(stream)
-                    welcome = await wire.receive(rx)
+                    self.rx, welcome = await wire.greet(stream)
                 except BaseException:
                     await anyio.aclose_forcefully(stream)
                     raise

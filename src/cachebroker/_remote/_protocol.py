@@ -35,6 +35,7 @@ __all__ = [
     "default_address",
     "encode",
     "encode_error",
+    "greet",
     "peer",
     "receive",
     "resolve_address",
@@ -112,6 +113,15 @@ async def receive(reader: BufferedByteReceiveStream) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
         raise ProtocolError(f"a message must be an object with an 'op', got {body[:80]!r}")
     return message
+
+
+async def greet(
+    stream: anyio.abc.SocketStream,
+) -> tuple[BufferedByteReceiveStream, dict[str, Any]]:
+    """Say ``hello``; the reader, and the daemon's answer (``welcome`` or ``error``)."""
+    await send(stream, {"op": "hello", "version": VERSION, "pid": os.getpid()})
+    reader = BufferedByteReceiveStream(stream)
+    return reader, await receive(reader)
 
 
 def field(message: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

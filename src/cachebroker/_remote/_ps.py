@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
 import anyio
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._units import format_bytes
 from . import _protocol as wire
@@ -32,9 +30,7 @@ async def fetch(address: str) -> dict[str, Any]:
     """The daemon's listing: ``daemon`` (pid, address, used, budget), ``processes``, ``entries``."""
     with anyio.fail_after(10):
         async with await anyio.connect_unix(address) as stream:
-            reader = BufferedByteReceiveStream(stream)
-            await wire.send(stream, {"op": "hello", "version": wire.VERSION, "pid": os.getpid()})
-            welcome = await wire.receive(reader)
+            reader, welcome = await wire.greet(stream)
             if welcome["op"] != "welcome":
                 raise wire.ProtocolError(str(welcome.get("message", welcome)))
             await wire.send(stream, {"op": "ps"})
