@@ -36,6 +36,7 @@ PEER_GONE: Final = "cachebroker.peer.gone"
 PEER_REFUSED: Final = "cachebroker.peer.refused"
 PEER_FAILED: Final = "cachebroker.peer.failed"
 BROKER_LOST: Final = "cachebroker.broker.lost"
+RAY_REPORT_FAILED: Final = "cachebroker.ray.report_failed"
 
 ALL: Final = (
     HIT,
@@ -63,4 +64,5 @@ ALL: Final = (
     PEER_REFUSED,
     PEER_FAILED,
     BROKER_LOST,
+    RAY_REPORT_FAILED,
 )

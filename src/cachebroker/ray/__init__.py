@@ -1,0 +1,19 @@
+"""Ray Serve model multiplexing with byte budgets: ``@multiplexed`` (the ``ray`` extra).
+
+``@cachebroker.ray.multiplexed`` replaces ``@serve.multiplexed``: models are
+budgeted in bytes per memory space by the replica's broker (or the
+machine's, with ``cachebroker serve``), a request holds its model with
+``async with`` so that it is never released under it, loads of one model
+are shared and loads of different models run at once, and the model ids the
+replica reports to Ray's router are the ones it really holds. See
+docs/ray.md.
+"""
+
+from ._multiplex import ModelLease as ModelLease
+from ._multiplex import Models as Models
+from ._multiplex import Multiplexed as Multiplexed
+from ._multiplex import multiplexed as multiplexed
+from ._replica import hosted as hosted
+from ._replica import shutdown as shutdown
+
+__all__ = ["ModelLease", "Models", "Multiplexed", "hosted", "multiplexed", "shutdown"]

@@ -1,0 +1,622 @@
+"""One broker per replica: started on first use, shared by its ``@multiplexed`` loaders.
+
+A Ray Serve replica is a process running an asyncio event loop for the
+deployment's code. The first request that needs a model starts a ``Replica``
+for that loop: a background task that enters the broker (the machine's
+shared one when ``CACHEBROKER_ADDRESS`` is set, else one of the replica's
+own), opens each loader's cache in its task group, tells Ray's router which
+model ids the replica holds, and exports the broker's metrics through Ray.
+
+Everything Ray-specific goes through a ``Surface``: ``RaySurface`` in a
+replica, a fake in tests. ``hosted()`` runs a replica inside the caller's
+task group instead of a background task, on any backend (tests, or an
+application that uses the loaders outside Ray).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import anyio
+import anyio.abc
+
+from .. import _log_events as ev
+from .. import _series
+from .._errors import BrokerClosed, InvalidArgument
+from .._shell import Broker, Cache
+from .._shell._backend import exit_task_group, running_backend
+
+if TYPE_CHECKING:
+    from ._multiplex import Models
+
+__all__ = [
+    "INFO_LABELS",
+    "MetricSink",
+    "RaySurface",
+    "Replica",
+    "Surface",
+    "current",
+    "hosted",
+    "shutdown",
+]
+
+#: Seconds between two reports of model ids to Ray (Ray's own multiplexer pushes every 0.1 s).
+REPORT_EVERY: Final = 0.1
+#: Seconds after which the model ids are reported again even if unchanged
+#: (a restarted Serve controller learns them again).
+REPORT_REFRESH: Final = 30.0
+#: Seconds between two exports of the broker's gauges and counters.
+METRICS_EVERY: Final = 5.0
+#: The labels of the ``requests_info`` gauge, as the Gateway API Inference
+#: Extension's endpoint picker and llm-d read them from vLLM's ``lora_requests_info``.
+INFO_LABELS: Final = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
+
+
+class Metric(Protocol):
+    """One of Ray's metrics (``ray.serve.metrics``): what the exporter calls."""
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None: ...
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None: ...
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None: ...
+
+
+class MetricSink(Protocol):
+    """Makes metrics: ``make(kind, name, doc, tag_keys, boundaries)``."""
+
+    def __call__(
+        self,
+        kind: str,
+        name: str,
+        doc: str,
+        tag_keys: tuple[str, ...],
+        boundaries: tuple[float, ...] | None,
+    ) -> Metric: ...
+
+
+class Surface(Protocol):
+    """What a replica needs from Ray Serve."""
+
+    def model_id(self) -> str:
+        """The multiplexed model id of the request being served."""
+        ...
+
+    def report(self, model_ids: list[str]) -> None:
+        """Tell Ray's router which model ids this replica holds or is loading."""
+        ...
+
+    def metrics(self) -> MetricSink | None:
+        """Where to export metrics, or ``None`` for nowhere."""
+        ...
+
+
+class RaySurface:
+    """The Ray Serve surface of a replica (imports Ray when built).
+
+    Ray is reached through ``importlib`` and typed ``Any``: the module type-checks
+    and imports the same with or without Ray installed.
+    """
+
+    def __init__(self) -> None:
+        try:
+            self._serve: Any = importlib.import_module("ray.serve")
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "cachebroker.ray needs Ray Serve: pip install 'cachebroker[ray]'"
+            ) from None
+        try:
+            self._replica_id: Any = self._serve.get_replica_context().replica_id
+        except Exception:  # outside a replica (a plain script): nothing to report to
+            self._replica_id = None
+
+    def model_id(self) -> str:
+        return str(self._serve.get_multiplexed_model_id())
+
+    def report(self, model_ids: list[str]) -> None:
+        # What @serve.multiplexed's own wrapper calls to keep the router's
+        # model-id routing true (ray.serve.multiplex._ModelMultiplexWrapper).
+        if self._replica_id is None:
+            return
+        common: Any = importlib.import_module("ray.serve._private.common")
+        context: Any = importlib.import_module("ray.serve.context")
+        context._get_global_client().record_request_routing_info(
+            common.RequestRoutingInfo(replica_id=self._replica_id, multiplexed_model_ids=model_ids)
+        )
+
+    def metrics(self) -> MetricSink | None:
+        if self._replica_id is None:
+            return None
+        metrics: Any = importlib.import_module("ray.serve.metrics")
+
+        def make(
+            kind: str,
+            name: str,
+            doc: str,
+            tag_keys: tuple[str, ...],
+            boundaries: tuple[float, ...] | None,
+        ) -> Metric:
+            made: Metric
+            if kind == "gauge":
+                made = metrics.Gauge(name, description=doc, tag_keys=tag_keys)
+            elif kind == "counter":
+                made = metrics.Counter(name, description=doc, tag_keys=tag_keys)
+            else:
+                made = metrics.Histogram(
+                    name,
+                    description=doc,
+                    boundaries=[b for b in boundaries or () if b > 0],
+                    tag_keys=tag_keys,
+                )
+            return made
+
+        return make
+
+
+def _loop_key() -> int:
+    """Identifies the running event loop (asyncio's loop, trio's run)."""
+    if running_backend() == "trio":
+        import trio
+
+        return id(trio.lowlevel.current_trio_token())
+    return id(asyncio.get_running_loop())
+
+
+#: The replica of each event loop in this process.
+_REPLICAS: dict[int, Replica] = {}
+#: How a replica started on first use reaches Ray (tests replace it).
+_SURFACE: Callable[[], Surface] = RaySurface
+
+
+def current(options: Mapping[str, Any], owner: str) -> Replica:
+    """The replica of the running loop, started in the background on first use.
+
+    ``options`` are the broker settings of the loader asking (``owner``);
+    a replica has one broker, so a second loader's different settings are an
+    ``InvalidArgument``.
+    """
+    key = _loop_key()
+    replica = _REPLICAS.get(key)
+    if replica is not None and replica.closed:
+        raise BrokerClosed(f"{owner}: this replica's broker is closed")
+    if replica is None:
+        if running_backend() != "asyncio":
+            raise BrokerClosed(
+                f"{owner} runs in a Ray Serve replica (asyncio); elsewhere run it inside "
+                "'async with cachebroker.ray.hosted(...)'"
+            )
+        replica = _REPLICAS[key] = Replica(_SURFACE(), options, owner, key)
+        replica.spawn_detached()
+    else:
+        replica.check_options(options, owner)
+    return replica
+
+
+async def shutdown() -> None:
+    """Release every model of this replica through its releaser and stop its broker.
+
+    For a deployment's ``async def __del__``; a replica that never served a
+    model has nothing to do. Idempotent.
+    """
+    replica = _REPLICAS.get(_loop_key())
+    if replica is not None:
+        await replica.close()
+
+
+def hosted(surface: Surface | None = None, **options: Any) -> AbstractAsyncContextManager[Replica]:
+    """Run this loop's replica in the caller's task group, on any backend.
+
+    For tests of a deployment's loaders, or an application that uses them
+    outside Ray: ``async with cachebroker.ray.hosted(budget="8GiB"):``.
+    ``options`` are ``@multiplexed``'s broker settings: the loaders' own must
+    match them or be absent. ``surface`` stands in for Ray (default: none;
+    model ids must then be given). Leaving the block releases every model
+    through its releaser and stops the broker.
+    """
+    return _Hosting(surface if surface is not None else _Nowhere(), options)
+
+
+class _Hosting:
+    def __init__(self, surface: Surface, options: Mapping[str, Any]) -> None:
+        self._surface = surface
+        self._options = options
+        self._key: int | None = None
+        self._replica: Replica | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def __aenter__(self) -> Replica:
+        key = _loop_key()
+        if key in _REPLICAS and not _REPLICAS[key].closed:
+            raise RuntimeError("this event loop already runs a cachebroker.ray replica")
+        self._key = key
+        replica = self._replica = _REPLICAS[key] = Replica(
+            self._surface, self._options, "hosted()", key
+        )
+        tg = self._tg = anyio.create_task_group()
+        await tg.__aenter__()
+        try:
+            await tg.start(replica.run)
+        except BaseException as exc:
+            try:
+                if not await exit_task_group(tg, type(exc), exc, exc.__traceback__):
+                    raise
+            finally:
+                self._forget()
+        return replica
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        assert self._replica is not None and self._tg is not None
+        try:
+            self._replica.closed = True
+            self._replica._closing.set()
+            return await exit_task_group(self._tg, exc_type, exc, tb)
+        finally:
+            self._forget()
+
+    def _forget(self) -> None:
+        if self._key is not None and _REPLICAS.get(self._key) is self._replica:
+            del _REPLICAS[self._key]
+
+
+class _Nowhere:
+    """A surface outside Ray: model ids must be given, nothing is reported."""
+
+    def model_id(self) -> str:
+        raise InvalidArgument("no model id given, and this is not a Ray Serve request")
+
+    def report(self, model_ids: list[str]) -> None:
+        pass
+
+    def metrics(self) -> MetricSink | None:
+        return None
+
+
+class Replica:
+    """The broker of one replica, the caches of its loaders, and what it tells Ray."""
+
+    def __init__(self, surface: Surface, options: Mapping[str, Any], owner: str, key: int) -> None:
+        self.surface = surface
+        self.options = dict(options)
+        self.owner = owner
+        self.closed = False
+        self._key = key
+        self._broker: Broker | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._started = anyio.Event()
+        self._start_error: BaseException | None = None
+        self._closing = anyio.Event()
+        self._stopped = anyio.Event()
+        self._changed = anyio.Event()
+        self._models: list[Models[Any]] = []
+        self._caches: dict[Models[Any], Cache] = {}
+        self._opening: dict[Models[Any], anyio.Event] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._exporter: _Exporter | None = None
+
+    # ------------------------------------------------------------ life cycle
+
+    def check_options(self, options: Mapping[str, Any], owner: str) -> None:
+        if options and dict(options) != self.options:
+            raise InvalidArgument(
+                f"one replica has one broker: {owner} asks for broker settings "
+                f"{_describe(options)} but {self.owner} started it with "
+                f"{_describe(self.options)}; give the settings to one loader only"
+            )
+
+    def spawn_detached(self) -> None:
+        """Run the replica as a background asyncio task (in a Ray Serve replica)."""
+        self._task = asyncio.get_running_loop().create_task(
+            self._run_detached(), name="cachebroker.ray replica"
+        )
+
+    async def _run_detached(self) -> None:
+        try:
+            await self.run()
+        except BaseException as exc:  # run() hands start errors to the waiters
+            if self._start_error is None:
+                self._start_error = exc
+            self._started.set()
+        finally:
+            self.closed = True
+            if _REPLICAS.get(self._key) is self:
+                del _REPLICAS[self._key]
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Enter the broker, then serve until ``close()``."""
+        try:
+            try:
+                broker = make_broker(self.options, os.environ)
+                await broker.__aenter__()
+            except BaseException as exc:
+                self._start_error = exc
+                self._started.set()
+                self.closed = True
+                raise
+            try:
+                self._broker = broker
+                # The caches' tasks, then the reporting loops inside: closing
+                # stops the loops and lets each cache close (releasing its
+                # models) before the broker stops.
+                async with anyio.create_task_group() as self._tg:
+                    async with anyio.create_task_group() as loops:
+                        sink = self.surface.metrics()
+                        if sink is not None:
+                            self._exporter = _Exporter(self, sink)
+                            broker.add_listener(self._exporter.on_event)
+                            loops.start_soon(self._export_loop, self._exporter)
+                        loops.start_soon(self._report_loop)
+                        self._started.set()
+                        task_status.started()
+                        await self._closing.wait()
+                        loops.cancel_scope.cancel()
+            except BaseException as exc:
+                await broker.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+            else:
+                await broker.__aexit__(None, None, None)
+        finally:
+            self.closed = True
+            self._stopped.set()
+
+    async def close(self) -> None:
+        """Close every cache (releasing its models), then the broker."""
+        self.closed = True
+        self._closing.set()
+        if self._task is not None or self._started.is_set():
+            await self._stopped.wait()
+
+    async def broker(self) -> Broker:
+        """The running broker, once started (raising what stopped it from starting)."""
+        await self._started.wait()
+        if self._start_error is not None:
+            raise BrokerClosed(
+                f"the replica's broker did not start: {self._start_error!r}"
+            ) from self._start_error
+        if self._broker is None or self.closed:
+            raise BrokerClosed("the replica's broker is closed")
+        return self._broker
+
+    async def cache(self, models: Models[Any]) -> Cache:
+        """Open the cache of ``models`` (once) in the replica's task group."""
+        await self.broker()
+        while (cache := self._caches.get(models)) is None:
+            opening = self._opening.get(models)
+            if opening is None:
+                break
+            await opening.wait()  # another request is opening it; then look again
+        else:
+            return cache
+        self._opening[models] = opening = anyio.Event()
+        try:
+            taken = {other.name for other in self._models if other is not models}
+            base, n = models.name, 1
+            while models.name in taken:  # two instances of one deployment in one process
+                n += 1
+                models.name = f"{base}#{n}"
+            assert self._tg is not None
+            opened: Cache = await self._tg.start(self._run_cache, models)
+            return opened
+        finally:
+            del self._opening[models]
+            opening.set()
+
+    async def _run_cache(
+        self, models: Models[Any], *, task_status: anyio.abc.TaskStatus[Cache]
+    ) -> None:
+        broker = self._broker
+        assert broker is not None
+        broker.add_listener(models.on_event)
+        try:
+            async with broker.cache(models.name, models.release) as cache:
+                self._models.append(models)
+                self._caches[models] = cache
+                task_status.started(cache)
+                await self._closing.wait()
+        finally:
+            broker.remove_listener(models.on_event)
+            self._caches.pop(models, None)
+
+    # ------------------------------------------------------------ telling Ray
+
+    def changed(self) -> None:
+        """A loader's model ids changed: report them soon."""
+        self._changed.set()
+        if self._exporter is not None:
+            self._exporter.models_changed()
+
+    def model_ids(self) -> list[str]:
+        """Model ids held, loading or asked for, over every loader, in first-seen order."""
+        ids: dict[str, None] = {}
+        for models in self._models:
+            ids.update(dict.fromkeys(models.reported()))
+        return list(ids)
+
+    async def _report_loop(self) -> None:
+        last: list[str] | None = None
+        while True:
+            with anyio.move_on_after(REPORT_REFRESH) as waited:
+                await self._changed.wait()
+            self._changed = anyio.Event()
+            ids = self.model_ids()
+            if ids != last or waited.cancelled_caught:
+                last = ids
+                try:
+                    self.surface.report(ids)
+                except Exception as exc:
+                    self._emit("warning", ev.RAY_REPORT_FAILED, error=repr(exc))
+            await anyio.sleep(REPORT_EVERY)
+
+    async def _export_loop(self, exporter: _Exporter) -> None:
+        while True:
+            exporter.export()
+            await anyio.sleep(METRICS_EVERY)
+
+    def _emit(self, level: str, event: str, **fields: Any) -> None:
+        if self._broker is not None:
+            self._broker._runner.emit(level, event, **fields)
+
+    def loaders(self) -> list[Models[Any]]:
+        return list(self._models)
+
+
+def make_broker(options: Mapping[str, Any], environ: Mapping[str, str]) -> Broker:
+    """The replica's broker: the machine's shared one when ``CACHEBROKER_ADDRESS`` is set."""
+    settings = dict(options)
+    address = environ.get("CACHEBROKER_ADDRESS", "").strip()
+    if address:
+        # The shared broker's settings are its own (cachebroker serve); the
+        # deployment's budget applies where no daemon runs.
+        return Broker.connect(
+            address,
+            logger=settings.get("logger"),
+            oom_errors=settings.get("oom_errors", ()),
+        )
+    budget = settings.pop("budget", None)
+    if callable(budget):
+        budget = budget()
+    if budget is None:
+        if not environ.get("CACHEBROKER_BUDGET", "").strip():
+            raise InvalidArgument(
+                "no budget: give @multiplexed(budget=...), or set CACHEBROKER_BUDGET "
+                "(this replica's own budget) or CACHEBROKER_ADDRESS (the machine's shared "
+                "broker, 'cachebroker serve') in the replica's environment"
+            )
+        return Broker.from_env(environ, **settings)
+    return Broker.from_env(environ, budget=budget, **settings)
+
+
+def _describe(options: Mapping[str, Any]) -> str:
+    return "{" + ", ".join(f"{k}={v!r}" for k, v in sorted(options.items())) + "}"
+
+
+class _Exporter:
+    """The broker's series and the replica's model ids, as Ray metrics."""
+
+    def __init__(self, replica: Replica, sink: MetricSink) -> None:
+        self._replica = replica
+        ns = "cachebroker"
+        self._series = [
+            (
+                series,
+                sink(
+                    series.kind,
+                    f"{ns}_{series.name}",
+                    series.doc,
+                    (series.label,) if series.label else (),
+                    None,
+                ),
+            )
+            for series in _series.SERIES
+        ]
+        bounds = {"load": _series.LOAD_BUCKETS, "release": _series.RELEASE_BUCKETS}
+        self._histograms = [
+            (
+                series,
+                sink("histogram", f"{ns}_{series.name}", series.doc, (), bounds[series.buckets]),
+            )
+            for series in _series.HISTOGRAMS
+        ]
+        self._counted: dict[tuple[str, str], float] = {}
+        self._resident = sink(
+            "gauge",
+            f"{ns}_resident_models",
+            "Models loaded and ready in this replica.",
+            (),
+            None,
+        )
+        self._info = sink(
+            "gauge",
+            f"{ns}_requests_info",
+            "Models this replica holds (running_lora_adapters) and is loading or was asked "
+            "for (waiting_lora_adapters), and how many it could hold (max_lora); the value "
+            "is the time of the reading, as vLLM's lora_requests_info.",
+            INFO_LABELS,
+            None,
+        )
+        self._info_tags: dict[str, str] | None = None
+
+    def on_event(self, event: str, fields: Mapping[str, Any]) -> None:
+        for series, metric in self._histograms:
+            value = series.observe(event, fields)
+            if value is not None:
+                metric.observe(value)
+
+    def export(self) -> None:
+        broker = self._replica._broker
+        if broker is None:
+            return
+        stats = broker.stats_nowait()
+        for series, metric in self._series:
+            value = series.read(stats)
+            values = value if isinstance(value, Mapping) else {"": value}
+            for label, number in values.items():
+                tags = {series.label: label} if series.label else None
+                if series.kind == "gauge":
+                    metric.set(float(number), tags)
+                    continue
+                before = self._counted.get((series.name, label), 0.0)
+                if number > before:
+                    metric.inc(float(number) - before, tags)
+                    self._counted[series.name, label] = float(number)
+        self.models_changed()
+
+    def models_changed(self) -> None:
+        broker = self._replica._broker
+        if broker is None:
+            return
+        running: list[str] = []
+        waiting: list[str] = []
+        charges: list[Mapping[str, int]] = []
+        for models in self._replica.loaders():
+            running.extend(models.ready_ids())
+            waiting.extend(models.waiting_ids())
+            charges.extend(models.ready_charges())
+        stats = broker.stats_nowait()
+        used = stats.broker_used if stats.broker_used is not None else stats.used
+        tags = {
+            "running_lora_adapters": ",".join(running),
+            "waiting_lora_adapters": ",".join(waiting),
+            "max_lora": str(len(running) + room_for(charges, stats.budget, used)),
+        }
+        self._resident.set(float(len(running)))
+        if self._info_tags is not None and self._info_tags != tags:
+            self._info.set(0.0, self._info_tags)  # superseded: the latest reading wins
+        self._info.set(time.time(), tags)
+        self._info_tags = tags
+
+
+def room_for(
+    charges: Iterable[Mapping[str, int]], budget: Mapping[str, int], used: Mapping[str, int]
+) -> int:
+    """How many more models of the held ones' mean size fit in the free bytes (an estimate).
+
+    With nothing held: 1 if any space has free bytes, else 0.
+    """
+    totals: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for charge in charges:
+        for space, size in charge.items():
+            if size > 0:
+                totals[space] = totals.get(space, 0) + size
+                counts[space] = counts.get(space, 0) + 1
+    free = {space: max(0, budget.get(space, 0) - used.get(space, 0)) for space in budget}
+    if not totals:
+        return 1 if any(free.values()) else 0
+    room = math.inf
+    for space, total in totals.items():
+        mean = total / counts[space]
+        room = min(room, free.get(space, 0) // mean)
+    return int(room)
