@@ -1,0 +1,144 @@
+"""A Ray Serve deployment for tests/test_ray_serve.py and benchmarks/ray_serve.py.
+
+Shipped to the replicas by value (``ray.cloudpickle.register_pickle_by_value``),
+so the replicas need not import the tests. Each response carries what the
+replica saw: whether its model was released under it, and the replica's
+books as the test measures them (bytes held by models loaded and not yet
+freed, their peak, loads per model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from cachebroker.ray import multiplexed
+
+
+class FakeModel:
+    """A model: its bytes are held from its load until its releaser ran."""
+
+    def __init__(self, model_id: str, size: int) -> None:
+        self.model_id = model_id
+        self.payload = bytearray(size)
+        self.users = 0
+        self.released = False
+
+
+def brokered(sizes: Mapping[str, int], budget: int, load_seconds: float) -> type:
+    """A deployment class whose models cachebroker budgets (``budget`` bytes per replica)."""
+    sizes = dict(sizes)
+
+    class Brokered:
+        def __init__(self) -> None:
+            self.pid = os.getpid()
+            self.held: dict[str, int] = {}
+            self.peak = 0
+            self.loads: dict[str, int] = {}
+            self.load_seconds = 0.0
+            self.violations = 0
+
+        @multiplexed(budget=budget, size=lambda model_id: sizes[model_id])
+        async def get_model(self, model_id: str) -> FakeModel:
+            started = time.perf_counter()
+            await asyncio.sleep(load_seconds)
+            model = FakeModel(model_id, sizes[model_id])
+            self.held[model_id] = sizes[model_id]
+            self.peak = max(self.peak, sum(self.held.values()))
+            self.loads[model_id] = self.loads.get(model_id, 0) + 1
+            self.load_seconds += time.perf_counter() - started
+            return model
+
+        @get_model.releaser
+        async def free_model(self, model_id: str, model: FakeModel) -> None:
+            if model.users:
+                self.violations += 1
+            model.released = True
+            model.payload = bytearray()
+            del self.held[model_id]
+
+        async def __call__(self, hold: float) -> dict[str, Any]:
+            async with self.get_model() as model:
+                model.users += 1
+                try:
+                    await asyncio.sleep(hold)
+                    saw_released = model.released
+                finally:
+                    model.users -= 1
+            return self.books(saw_released)
+
+        def books(self, saw_released: bool = False) -> dict[str, Any]:
+            return {
+                "pid": self.pid,
+                "saw_released": saw_released,
+                "held": dict(self.held),
+                "peak": self.peak,
+                "loads": dict(self.loads),
+                "load_seconds": self.load_seconds,
+                "violations": self.violations,
+                "reported": self.get_model.model_ids(),
+            }
+
+    return Brokered
+
+
+def counted(sizes: Mapping[str, int], max_models: int, load_seconds: float) -> type:
+    """The same deployment on ``@serve.multiplexed(max_num_models_per_replica=...)``."""
+    from ray import serve
+
+    sizes = dict(sizes)
+
+    class Counted:
+        def __init__(self) -> None:
+            self.pid = os.getpid()
+            self.held: dict[str, int] = {}
+            self.peak = 0
+            self.loads: dict[str, int] = {}
+            self.load_seconds = 0.0
+            self.violations = 0
+
+        @serve.multiplexed(max_num_models_per_replica=max_models)
+        async def get_model(self, model_id: str) -> Any:
+            started = time.perf_counter()
+            await asyncio.sleep(load_seconds)
+            books = self
+
+            class Model(FakeModel):
+                def __del__(self) -> None:  # what Ray's multiplexer calls to unload
+                    if self.released:
+                        return
+                    if self.users:
+                        books.violations += 1
+                    self.released = True
+                    books.held.pop(self.model_id, None)
+
+            model = Model(model_id, sizes[model_id])
+            self.held[model_id] = sizes[model_id]
+            self.peak = max(self.peak, sum(self.held.values()))
+            self.loads[model_id] = self.loads.get(model_id, 0) + 1
+            self.load_seconds += time.perf_counter() - started
+            return model
+
+        async def __call__(self, hold: float) -> dict[str, Any]:
+            model = await self.get_model(serve.get_multiplexed_model_id())
+            model.users += 1
+            try:
+                await asyncio.sleep(hold)
+                saw_released = model.released
+            finally:
+                model.users -= 1
+            return {
+                "pid": self.pid,
+                "saw_released": saw_released,
+                "held": dict(self.held),
+                "peak": self.peak,
+                "loads": dict(self.loads),
+                "load_seconds": self.load_seconds,
+                "violations": self.violations,
+                "reported": [],
+            }
+
+    return Counted
