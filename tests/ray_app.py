@@ -10,12 +10,15 @@ freed, their peak, loads per model).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from cachebroker.ray import multiplexed
+
+Loader = Callable[[Any, str], Awaitable[Any]]
 
 
 class FakeModel:
@@ -28,7 +31,9 @@ class FakeModel:
         self.released = False
 
 
-def brokered(sizes: Mapping[str, int], budget: int, load_seconds: float) -> type:
+def brokered(
+    sizes: Mapping[str, int], budget: int, load_seconds: float | Mapping[str, float]
+) -> type:
     """A deployment class whose models cachebroker budgets (``budget`` bytes per replica)."""
     sizes = dict(sizes)
 
@@ -44,7 +49,9 @@ def brokered(sizes: Mapping[str, int], budget: int, load_seconds: float) -> type
         @multiplexed(budget=budget, size=lambda model_id: sizes[model_id])
         async def get_model(self, model_id: str) -> FakeModel:
             started = time.perf_counter()
-            await asyncio.sleep(load_seconds)
+            await asyncio.sleep(
+                load_seconds if isinstance(load_seconds, float) else load_seconds[model_id]
+            )
             model = FakeModel(model_id, sizes[model_id])
             self.held[model_id] = sizes[model_id]
             self.peak = max(self.peak, sum(self.held.values()))
@@ -85,9 +92,10 @@ def brokered(sizes: Mapping[str, int], budget: int, load_seconds: float) -> type
     return Brokered
 
 
-def counted(sizes: Mapping[str, int], max_models: int, load_seconds: float) -> type:
+def counted(sizes: Mapping[str, int], max_models: int, load_seconds: Mapping[str, float]) -> type:
     """The same deployment on ``@serve.multiplexed(max_num_models_per_replica=...)``."""
-    from ray import serve
+    serve: Any = importlib.import_module("ray.serve")  # (typed Any, with or without Ray)
+    by_count: Callable[[Loader], Loader] = serve.multiplexed(max_num_models_per_replica=max_models)
 
     sizes = dict(sizes)
 
@@ -99,25 +107,27 @@ def counted(sizes: Mapping[str, int], max_models: int, load_seconds: float) -> t
             self.loads: dict[str, int] = {}
             self.load_seconds = 0.0
             self.violations = 0
+            self.evicted_in_use: dict[int, int] = {}
 
-        @serve.multiplexed(max_num_models_per_replica=max_models)
+        @by_count
         async def get_model(self, model_id: str) -> Any:
             started = time.perf_counter()
-            await asyncio.sleep(load_seconds)
+            await asyncio.sleep(load_seconds[model_id])
             books = self
 
             class Model(FakeModel):
                 def __del__(self) -> None:  # what Ray's multiplexer calls to unload
                     if self.released:
                         return
-                    if self.users:
-                        books.violations += 1
                     self.released = True
                     books.held.pop(self.model_id, None)
+                    if self.users:  # unloaded under a request: its bytes stay until it ends
+                        books.violations += 1
+                        books.evicted_in_use[id(self)] = len(self.payload)
 
             model = Model(model_id, sizes[model_id])
             self.held[model_id] = sizes[model_id]
-            self.peak = max(self.peak, sum(self.held.values()))
+            self.peak = max(self.peak, sum(self.held.values()) + sum(self.evicted_in_use.values()))
             self.loads[model_id] = self.loads.get(model_id, 0) + 1
             self.load_seconds += time.perf_counter() - started
             return model
@@ -130,6 +140,8 @@ def counted(sizes: Mapping[str, int], max_models: int, load_seconds: float) -> t
                 saw_released = model.released
             finally:
                 model.users -= 1
+                if model.released and not model.users:
+                    self.evicted_in_use.pop(id(model), None)
             return {
                 "pid": self.pid,
                 "saw_released": saw_released,

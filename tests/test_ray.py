@@ -12,15 +12,15 @@ import pickle
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import cachebroker
 from cachebroker import AcquireTimeout, InvalidArgument
-from cachebroker.ray import Multiplexed, hosted, multiplexed, shutdown
-from cachebroker.ray import _replica
+from cachebroker.ray import Multiplexed, _replica, hosted, multiplexed, shutdown
 
 from .test_remote import serving
 
@@ -56,6 +56,7 @@ class FakeSurface:
     def __init__(self, request_model_id: str = "", *, fail_reports: int = 0) -> None:
         self.request_model_id = request_model_id
         self.reports: list[list[str]] = []
+        self.routing: dict[str, Any] = {}
         self.metrics_made: dict[str, FakeMetric] = {}
         self._fail_reports = fail_reports
         self._reported = anyio.Event()
@@ -63,7 +64,8 @@ class FakeSurface:
     def model_id(self) -> str:
         return self.request_model_id
 
-    def report(self, model_ids: list[str]) -> None:
+    def report(self, model_ids: list[str], routing_stats: dict[str, Any]) -> None:
+        self.routing = routing_stats
         self._reported.set()
         self._reported = anyio.Event()
         if self._fail_reports:
@@ -112,7 +114,7 @@ class Model:
 class Deployment:
     """A deployment as a user writes it: a loader, a releaser, request handlers."""
 
-    SIZES = {"a": 4, "b": 4, "c": 4, "big": 9, "huge": 11}
+    SIZES: ClassVar[dict[str, int]] = {"a": 4, "b": 4, "c": 4, "big": 9, "huge": 11}
 
     def __init__(self) -> None:
         self.loads: list[str] = []
@@ -206,7 +208,7 @@ async def test_a_model_in_use_is_never_released_the_request_waits_or_times_out()
         tg.start_soon(d.handle, "b", hold_b)
         with anyio.fail_after(10):
             while sorted(d.get_model.model_ids()) != ["a", "b"]:
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
         with pytest.raises(AcquireTimeout) as caught:
             async with d.get_model("c", timeout=0.05):
                 pass
@@ -269,7 +271,9 @@ async def test_the_request_model_id_comes_from_ray_when_not_given() -> None:
 async def test_a_request_without_a_model_id_is_an_error_naming_the_loader() -> None:
     d = Deployment()
     async with hosted(FakeSurface(""), budget=10):
-        with pytest.raises(InvalidArgument, match="Deployment.get_model.*no multiplexed model id"):
+        with pytest.raises(
+            InvalidArgument, match=r"Deployment\.get_model.*no multiplexed model id"
+        ):
             await d.handle()
         with pytest.raises(InvalidArgument, match="empty"):
             await d.handle("")
@@ -289,7 +293,7 @@ async def test_the_router_is_told_what_the_replica_holds_loading_included() -> N
         gate.set()
         with anyio.fail_after(10):
             while d.get_model.model_ids() != ["a"]:
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
         await d.handle("b")
         await surface.reported(["a", "b"])
         await d.handle("c")  # a goes (least recent): the router stops sending a here
@@ -428,7 +432,7 @@ async def test_two_loaders_asking_for_different_budgets_is_an_error() -> None:
     async with hosted(FakeSurface(), budget=10):
         async with c.first("x"):
             pass
-        with pytest.raises(InvalidArgument, match="one replica has one broker.*second"):
+        with pytest.raises(InvalidArgument, match=r"one replica has one broker.*second"):
             async with c.second("x"):
                 pass
 
@@ -485,13 +489,14 @@ async def test_the_broker_and_the_models_are_exported_as_ray_metrics() -> None:
     d = Deployment()
     surface = FakeSurface()
     async with hosted(surface, budget=10) as replica:
+        exporter = replica._exporter
+        assert exporter is not None
         await d.handle("a")
         d.gates["b"] = gate = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(d.handle, "b")
             await d.started["b"].wait()
-            assert replica._exporter is not None
-            replica._exporter.export()
+            exporter.export()
             info = surface.metrics_made["cachebroker_requests_info"]
             latest = max(info.values, key=lambda k: info.values[k])
             assert dict(latest) == {
@@ -500,7 +505,7 @@ async def test_the_broker_and_the_models_are_exported_as_ray_metrics() -> None:
                 "max_lora": "1",  # b's 4 bytes are reserved: 2 free, no room for another
             }
             gate.set()
-        replica._exporter.export()
+        exporter.export()
         made = surface.metrics_made
         assert made["cachebroker_loads"].values == {(): 2.0}
         assert made["cachebroker_misses"].values == {(): 2.0}
@@ -513,7 +518,7 @@ async def test_the_broker_and_the_models_are_exported_as_ray_metrics() -> None:
         superseded = [v for k, v in info.values.items() if k != latest]
         assert superseded and all(v == 0.0 for v in superseded)
         await d.handle("c")
-        replica._exporter.export()
+        exporter.export()
         assert made["cachebroker_evictions"].values == {(("reason", "capacity"),): 1.0}
         assert made["cachebroker_loads"].values == {(): 3.0}  # counted once each
 
@@ -602,7 +607,7 @@ async def test_a_replica_whose_broker_did_not_start_tries_again_next_request(
         pytest.skip("Ray Serve replicas run asyncio")
     monkeypatch.setattr(_replica, "_SURFACE", FakeSurface)
     d = Deployment()
-    with pytest.raises(cachebroker.BrokerClosed, match="did not start.*CACHEBROKER_BUDGET"):
+    with pytest.raises(cachebroker.BrokerClosed, match=r"did not start.*CACHEBROKER_BUDGET"):
         await d.handle("a")
     monkeypatch.setenv("CACHEBROKER_BUDGET", "10")
     try:
@@ -619,7 +624,7 @@ def test_bad_arguments_fail_at_decoration() -> None:
         return model_id
 
     with pytest.raises(TypeError, match="unknown arguments budgett"):
-        multiplexed(budgett=10)(load)  # type: ignore[call-overload]
+        multiplexed(budgett=10)(load)
     with pytest.raises(InvalidArgument, match="budget"):
         multiplexed(budget="ten")(load)
     with pytest.raises(InvalidArgument, match="timeout"):

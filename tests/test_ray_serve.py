@@ -74,8 +74,8 @@ def deploy(name: str, cls: type) -> Any:
 
 
 def call(handle: Any, model_id: str, hold: float = 0.0) -> dict[str, Any]:
-    result: dict[str, Any] = handle.options(multiplexed_model_id=model_id).remote(hold).result(
-        timeout_s=60
+    result: dict[str, Any] = (
+        handle.options(multiplexed_model_id=model_id).remote(hold).result(timeout_s=60)
     )
     return result
 

@@ -9,11 +9,36 @@ replica reports to Ray's router are the ones it really holds. See
 docs/ray.md.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._multiplex import ModelLease as ModelLease
 from ._multiplex import Models as Models
 from ._multiplex import Multiplexed as Multiplexed
 from ._multiplex import multiplexed as multiplexed
 from ._replica import hosted as hosted
+from ._replica import routing_stats as routing_stats
 from ._replica import shutdown as shutdown
 
-__all__ = ["ModelLease", "Models", "Multiplexed", "hosted", "multiplexed", "shutdown"]
+if TYPE_CHECKING:
+    from ._router import BrokerRouter as BrokerRouter
+
+__all__ = [
+    "BrokerRouter",
+    "ModelLease",
+    "Models",
+    "Multiplexed",
+    "hosted",
+    "multiplexed",
+    "routing_stats",
+    "shutdown",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # BrokerRouter subclasses Ray's RequestRouter: importing it imports Ray,
+    # which the rest of this module does not need until a replica starts.
+    if name == "BrokerRouter":
+        from ._router import BrokerRouter
+
+        return BrokerRouter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,7 @@ import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from types import TracebackType
-from typing import Any, Final, Generic, TypeVar, overload
+from typing import Any, Final, Generic, Protocol, TypeVar, overload
 
 from .. import _log_events as ev
 from .._errors import InvalidArgument
@@ -306,6 +306,9 @@ class Models(Generic[T]):
     def ready_charges(self) -> list[Mapping[str, int]]:
         return list(self._ready.values())
 
+    def ready_sizes(self) -> dict[str, dict[str, int]]:
+        return {key: dict(charge) for key, charge in self._ready.items()}
+
     def waiting_ids(self) -> list[str]:
         """Model ids loading, or asked for by a request and not ready yet."""
         ids = dict.fromkeys(self._loading)
@@ -315,22 +318,6 @@ class Models(Generic[T]):
     def reported(self) -> list[str]:
         """What Ray's router is told: ready, loading and asked-for model ids."""
         return list(dict.fromkeys([*self._ready, *self.waiting_ids()]))
-
-    def routing_stats(self) -> dict[str, Any]:
-        """For a deployment's ``record_routing_stats``: models and bytes, as plain data."""
-        stats: Stats | None = None
-        replica = self._replica
-        if replica is not None and not replica.closed and replica._broker is not None:
-            stats = replica._broker.stats_nowait()
-        used = {} if stats is None else dict(stats.broker_used or stats.used)
-        budget = {} if stats is None else dict(stats.budget)
-        return {
-            "models": self.model_ids(),
-            "loading": self.waiting_ids(),
-            "used": used,
-            "budget": budget,
-            "free": {space: max(0, budget[space] - used.get(space, 0)) for space in budget},
-        }
 
     async def broker(self) -> Broker:
         """The replica's broker (started if it was not)."""
@@ -377,8 +364,19 @@ class ModelLease(Generic[T]):
         return self._models.acquire(self._model_id, self._timeout).__await__()
 
 
+class _Decorator(Protocol):
+    """What ``multiplexed(...)`` with settings returns: a decorator of loaders."""
+
+    @overload
+    def __call__(self, func: Callable[..., Awaitable[T]], /) -> Multiplexed[T]: ...
+    @overload
+    def __call__(self, func: Callable[..., T], /) -> Multiplexed[T]: ...
+
+
 @overload
 def multiplexed(func: Callable[..., Awaitable[T]], /) -> Multiplexed[T]: ...
+@overload
+def multiplexed(func: Callable[..., T], /) -> Multiplexed[T]: ...
 @overload
 def multiplexed(
     *,
@@ -389,7 +387,7 @@ def multiplexed(
     idle_ttl: float | None = None,
     name: str | None = None,
     **broker_options: Any,
-) -> Callable[[Callable[..., Awaitable[T] | T]], Multiplexed[T]]: ...
+) -> _Decorator: ...
 def multiplexed(
     func: Callable[..., Any] | None = None,
     /,

@@ -55,6 +55,8 @@ REPORT_EVERY: Final = 0.1
 REPORT_REFRESH: Final = 30.0
 #: Seconds between two exports of the broker's gauges and counters.
 METRICS_EVERY: Final = 5.0
+#: The key of cachebroker's entry in a replica's routing stats.
+ROUTING_KEY: Final = "cachebroker"
 #: The labels of the ``requests_info`` gauge, as the Gateway API Inference
 #: Extension's endpoint picker and llm-d read them from vLLM's ``lora_requests_info``.
 INFO_LABELS: Final = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
@@ -88,8 +90,8 @@ class Surface(Protocol):
         """The multiplexed model id of the request being served."""
         ...
 
-    def report(self, model_ids: list[str]) -> None:
-        """Tell Ray's router which model ids this replica holds or is loading."""
+    def report(self, model_ids: list[str], routing_stats: dict[str, Any]) -> None:
+        """Tell Ray's router which model ids this replica holds or is loading, and its bytes."""
         ...
 
     def metrics(self) -> MetricSink | None:
@@ -119,15 +121,20 @@ class RaySurface:
     def model_id(self) -> str:
         return str(self._serve.get_multiplexed_model_id())
 
-    def report(self, model_ids: list[str]) -> None:
+    def report(self, model_ids: list[str], routing_stats: dict[str, Any]) -> None:
         # What @serve.multiplexed's own wrapper calls to keep the router's
-        # model-id routing true (ray.serve.multiplex._ModelMultiplexWrapper).
+        # model-id routing true (ray.serve.multiplex._ModelMultiplexWrapper);
+        # the routing stats ride along, for BrokerRouter.
         if self._replica_id is None:
             return
         common: Any = importlib.import_module("ray.serve._private.common")
         context: Any = importlib.import_module("ray.serve.context")
         context._get_global_client().record_request_routing_info(
-            common.RequestRoutingInfo(replica_id=self._replica_id, multiplexed_model_ids=model_ids)
+            common.RequestRoutingInfo(
+                replica_id=self._replica_id,
+                multiplexed_model_ids=model_ids,
+                routing_stats=routing_stats,
+            )
         )
 
     def metrics(self) -> MetricSink | None:
@@ -209,6 +216,20 @@ async def shutdown() -> None:
         await replica.close()
 
 
+def routing_stats() -> dict[str, Any]:
+    """This replica's routing stats, for a deployment that defines ``record_routing_stats``.
+
+    The replica pushes them to Ray's router itself whenever its models
+    change; a deployment with its own ``record_routing_stats`` (which Ray
+    polls, replacing what was pushed) merges them into what it returns:
+    ``return {**cachebroker.ray.routing_stats(), "mine": ...}``.
+    """
+    replica = _REPLICAS.get(_loop_key())
+    if replica is None or replica.closed:
+        return {ROUTING_KEY: {"free": {}, "sizes": {}}}
+    return replica.routing_stats()
+
+
 def hosted(surface: Surface | None = None, **options: Any) -> AbstractAsyncContextManager[Replica]:
     """Run this loop's replica in the caller's task group, on any backend.
 
@@ -275,7 +296,7 @@ class _Nowhere:
     def model_id(self) -> str:
         raise InvalidArgument("no model id given, and this is not a Ray Serve request")
 
-    def report(self, model_ids: list[str]) -> None:
+    def report(self, model_ids: list[str], routing_stats: dict[str, Any]) -> None:
         pass
 
     def metrics(self) -> MetricSink | None:
@@ -444,17 +465,29 @@ class Replica:
             ids.update(dict.fromkeys(models.reported()))
         return list(ids)
 
+    def routing_stats(self) -> dict[str, Any]:
+        """What ``BrokerRouter`` routes by: free bytes per space, the held models' sizes."""
+        sizes: dict[str, dict[str, int]] = {}
+        for models in self._models:
+            sizes.update(models.ready_sizes())
+        free: dict[str, int] = {}
+        if self._broker is not None and not self.closed:
+            stats = self._broker.stats_nowait()
+            used = stats.broker_used if stats.broker_used is not None else stats.used
+            free = {space: max(0, cap - used.get(space, 0)) for space, cap in stats.budget.items()}
+        return {ROUTING_KEY: {"free": free, "sizes": sizes}}
+
     async def _report_loop(self) -> None:
-        last: list[str] | None = None
+        last: tuple[list[str], dict[str, Any]] | None = None
         while True:
             with anyio.move_on_after(REPORT_REFRESH) as waited:
                 await self._changed.wait()
             self._changed = anyio.Event()
-            ids = self.model_ids()
-            if ids != last or waited.cancelled_caught:
-                last = ids
+            now = (self.model_ids(), self.routing_stats())
+            if now != last or waited.cancelled_caught:
+                last = now
                 try:
-                    self.surface.report(ids)
+                    self.surface.report(*now)
                 except Exception as exc:
                     self._emit("warning", ev.RAY_REPORT_FAILED, error=repr(exc))
             await anyio.sleep(REPORT_EVERY)
