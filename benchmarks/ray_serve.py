@@ -26,7 +26,7 @@ B (for ``serve.multiplexed``: models loaded plus those unloaded while still
 in use, whose memory lives on until their request ends), wall time.
 
     python benchmarks/ray_serve.py [--requests 400] [--budget 48GiB]
-        [--time-scale 0.005] [--bytes-scale 1e-6] [--concurrency 8] [--json]
+        [--time-scale 0.005] [--bytes-scale 1e-6] [--concurrency 8] [--repeats 3] [--json]
 
 Needs ``pip install -e '.[ray,sim]'``; starts a local Ray cluster
 (``num_cpus=2``) with Serve on 127.0.0.1.
@@ -63,7 +63,9 @@ def run(
     options: dict[str, Any] = {}
     if router is not None:
         config = importlib.import_module("ray.serve.config")
-        options["request_router_config"] = config.RequestRouterConfig(request_router_class=router)
+        options["request_router_config"] = config.RequestRouterConfig(
+            request_router_class=router, request_routing_stats_period_s=0.1
+        )
     app = serve.deployment(
         num_replicas=2, max_ongoing_requests=64, ray_actor_options={"num_cpus": 0}, **options
     )(cls).bind()
@@ -105,13 +107,12 @@ def summarize(
             loads += count
             reloads += count - 1
             reload_seconds += (count - 1) * load_seconds[model_id] / time_scale
-    peaks = sorted(books["peak"] for books in outcome["replicas"])
     return {
         "loads": loads,
         "reloads": reloads,
         "reload_seconds": round(reload_seconds, 1),
         "saw_released": outcome["saw_released"],
-        "peak_bytes_per_replica": peaks,
+        "peak_bytes": max(books["peak"] for books in outcome["replicas"]),
         "wall_seconds": round(outcome["wall"], 2),
     }
 
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-scale", type=float, default=0.005)
     parser.add_argument("--bytes-scale", type=float, default=1e-6)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per variant (medians)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -152,12 +154,13 @@ def main(argv: list[str] | None = None) -> int:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(ray_app)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 0})
-        outcomes = {
-            name: run(f"v{i}", cls, trace, args.concurrency, router)
-            for i, (name, (cls, router)) in enumerate(variants.items())
-        }
+        for repeat in range(args.repeats):  # interleaved: drift hits every variant alike
+            for i, (name, (cls, router)) in enumerate(variants.items()):
+                outcome = run(f"v{i}r{repeat}", cls, trace, args.concurrency, router)
+                runs[name].append(summarize(outcome, load_seconds, args.time_scale))
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -166,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         "models": len(sizes),
         "budget_per_replica": budget,
         "count_caps": {"mean": mean_cap, "safe": safe_cap},
+        "repeats": args.repeats,
         "variants": {
-            name: summarize(outcome, load_seconds, args.time_scale)
-            for name, outcome in outcomes.items()
+            name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} | {"runs": rs}
+            for name, rs in runs.items()
         },
     }
     if args.json:
@@ -178,38 +182,43 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(trace)} requests over {len(sizes)} models, 2 replicas; budget "
         f"{format_bytes(budget)} per replica. serve.multiplexed with N={mean_cap} models "
         f"per replica (the budget over the mean model size) and N={safe_cap} (the most "
-        "that always fit: the largest models' sum)"
+        f"that always fit: the largest models' sum). Medians of {args.repeats} runs "
+        "(range in brackets)."
     )
     rows = [
         ("reloads", "reloads"),
         ("reload seconds (trace time)", "reload_seconds"),
         ("requests whose model was unloaded under them", "saw_released"),
-        ("peak bytes per replica", "peak_bytes_per_replica"),
+        ("peak bytes in a replica / budget", "peak_bytes"),
         ("wall seconds", "wall_seconds"),
     ]
     width = max(len(label) for label, _ in rows)
     names = list(report["variants"])
-    print(f"{'':{width}}" + "".join(f"  {name:>20}" for name in names))
+    print(f"{'':{width}}" + "".join(f"  {name:>22}" for name in names))
     for label, key in rows:
         cells = []
         for name in names:
-            value = report["variants"][name][key]
-            if key == "peak_bytes_per_replica":
-                value = "/".join(format_bytes(x) for x in value)
-            cells.append(f"  {value!s:>20}")
+            values = [r[key] for r in runs[name]]
+            median = statistics.median(values)
+            if key == "peak_bytes":
+                text = f"{median / budget:.2f}x"
+            else:
+                text = f"{median:g}" + (
+                    f" [{min(values):g}-{max(values):g}]" if len(set(values)) > 1 else ""
+                )
+            cells.append(f"  {text:>22}")
         print(f"{label:{width}}" + "".join(cells))
-    ours = report["variants"]["cachebroker"]
+    ours = report["variants"]["+BrokerRouter"]
     for name in names[2:]:
         theirs = report["variants"][name]
         ratio = (
             f"{ours['reload_seconds'] / theirs['reload_seconds']:.2f}x"
             if theirs["reload_seconds"]
-            else "n/a (no reloads)"
+            else "n/a (none)"
         )
-        peak = max(theirs["peak_bytes_per_replica"])
         print(
-            f"vs {name}: reload seconds {ratio}; its peak {peak / budget:.2f}x the budget "
-            f"(cachebroker {max(ours['peak_bytes_per_replica']) / budget:.2f}x)"
+            f"cachebroker+BrokerRouter vs {name}: reload seconds {ratio}, peak bytes "
+            f"{ours['peak_bytes'] / budget:.2f}x vs {theirs['peak_bytes'] / budget:.2f}x the budget"
         )
     return 0
 

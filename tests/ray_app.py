@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from cachebroker.ray import multiplexed
+from cachebroker.ray import multiplexed, routing_stats
 
 Loader = Callable[[Any, str], Awaitable[Any]]
 
@@ -76,6 +76,9 @@ def brokered(
                 finally:
                     model.users -= 1
             return self.books(saw_released)
+
+        async def record_routing_stats(self) -> dict[str, Any]:
+            return routing_stats()
 
         def books(self, saw_released: bool = False) -> dict[str, Any]:
             return {

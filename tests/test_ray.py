@@ -56,7 +56,6 @@ class FakeSurface:
     def __init__(self, request_model_id: str = "", *, fail_reports: int = 0) -> None:
         self.request_model_id = request_model_id
         self.reports: list[list[str]] = []
-        self.routing: dict[str, Any] = {}
         self.metrics_made: dict[str, FakeMetric] = {}
         self._fail_reports = fail_reports
         self._reported = anyio.Event()
@@ -64,8 +63,7 @@ class FakeSurface:
     def model_id(self) -> str:
         return self.request_model_id
 
-    def report(self, model_ids: list[str], routing_stats: dict[str, Any]) -> None:
-        self.routing = routing_stats
+    def report(self, model_ids: list[str]) -> None:
         self._reported.set()
         self._reported = anyio.Event()
         if self._fail_reports:

@@ -66,9 +66,9 @@ def cluster() -> Iterator[int]:
         ray.cloudpickle.unregister_pickle_by_value(ray_app)
 
 
-def deploy(name: str, cls: type) -> Any:
+def deploy(name: str, cls: type, **options: Any) -> Any:
     app = serve.deployment(
-        num_replicas=2, max_ongoing_requests=32, ray_actor_options={"num_cpus": 0}
+        num_replicas=2, max_ongoing_requests=32, ray_actor_options={"num_cpus": 0}, **options
     )(cls).bind()
     return serve.run(app, name=name, route_prefix=None)
 
@@ -127,6 +127,40 @@ def test_repeat_requests_go_to_the_replica_that_holds_the_model(cluster: int) ->
     for model_id, result in served[-2:]:
         assert result["loads"].get(model_id) == before[result["pid"]].get(model_id)
     serve.delete("routing")
+
+
+def test_broker_router_sends_a_new_model_where_it_fits_without_eviction(cluster: int) -> None:
+    from ray.serve.config import RequestRouterConfig
+
+    from cachebroker.ray import BrokerRouter
+
+    handle = deploy(
+        "router",
+        ray_app.brokered(SIZES, BUDGET, load_seconds=0.0),
+        request_router_config=RequestRouterConfig(
+            request_router_class=BrokerRouter, request_routing_stats_period_s=0.5
+        ),
+    )
+
+    def settle() -> None:
+        # A replica reports its models at once and Serve polls its free bytes
+        # every 0.5 s; both reach this process's router through Serve's
+        # controller (long poll).
+        time.sleep(2.0)
+
+    first = call(handle, "m0")["pid"]  # 4 kB: 2 kB left there
+    settle()
+    second = call(handle, "m3")["pid"]  # 2 kB: fits on both; goes where more is free
+    assert second != first
+    settle()
+    third = call(handle, "m1")  # 3 kB: fits only beside m3 (4 kB free), not beside m0
+    assert third["pid"] == second, third
+    settle()
+    for model_id, pid in [("m0", first), ("m3", second), ("m1", second)] * 3:
+        result = call(handle, model_id)
+        assert result["pid"] == pid, (model_id, result)
+        assert result["loads"] == {m: 1 for m in result["held"]}, "a model was loaded twice"
+    serve.delete("router")
 
 
 def test_a_replica_killed_mid_run_is_replaced_without_losing_requests_beyond_its_own(

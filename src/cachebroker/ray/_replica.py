@@ -90,8 +90,8 @@ class Surface(Protocol):
         """The multiplexed model id of the request being served."""
         ...
 
-    def report(self, model_ids: list[str], routing_stats: dict[str, Any]) -> None:
-        """Tell Ray's router which model ids this replica holds or is loading, and its bytes."""
+    def report(self, model_ids: list[str]) -> None:
+        """Tell Ray's router which model ids this replica holds or is loading."""
         ...
 
     def metrics(self) -> MetricSink | None:
@@ -121,20 +121,17 @@ class RaySurface:
     def model_id(self) -> str:
         return str(self._serve.get_multiplexed_model_id())
 
-    def report(self, model_ids: list[str], routing_stats: dict[str, Any]) -> None:
+    def report(self, model_ids: list[str]) -> None:
         # What @serve.multiplexed's own wrapper calls to keep the router's
-        # model-id routing true (ray.serve.multiplex._ModelMultiplexWrapper);
-        # the routing stats ride along, for BrokerRouter.
+        # model-id routing true (ray.serve.multiplex._ModelMultiplexWrapper).
+        # (Routing stats cannot ride along: Serve's health checks overwrite
+        # them with what the deployment's record_routing_stats last returned.)
         if self._replica_id is None:
             return
         common: Any = importlib.import_module("ray.serve._private.common")
         context: Any = importlib.import_module("ray.serve.context")
         context._get_global_client().record_request_routing_info(
-            common.RequestRoutingInfo(
-                replica_id=self._replica_id,
-                multiplexed_model_ids=model_ids,
-                routing_stats=routing_stats,
-            )
+            common.RequestRoutingInfo(replica_id=self._replica_id, multiplexed_model_ids=model_ids)
         )
 
     def metrics(self) -> MetricSink | None:
@@ -217,16 +214,33 @@ async def shutdown() -> None:
 
 
 def routing_stats() -> dict[str, Any]:
-    """This replica's routing stats, for a deployment that defines ``record_routing_stats``.
+    """This replica's routing stats, for its deployment's ``record_routing_stats``.
 
-    The replica pushes them to Ray's router itself whenever its models
-    change; a deployment with its own ``record_routing_stats`` (which Ray
-    polls, replacing what was pushed) merges them into what it returns:
-    ``return {**cachebroker.ray.routing_stats(), "mine": ...}``.
+    ``BrokerRouter`` routes by them (free bytes per space, the sizes of the
+    models held). Ray Serve polls a deployment's routing stats from its
+    ``record_routing_stats`` method, every ``request_routing_stats_period_s``
+    of its ``RequestRouterConfig``; define it as ``async def`` (it must run on
+    the replica's event loop)::
+
+        async def record_routing_stats(self) -> dict:
+            return cachebroker.ray.routing_stats()
+
+    Before the replica served a model the stats are empty.
+
+    Raises:
+        RuntimeError: called outside an event loop (a plain ``def`` method,
+            which Serve may run in a worker thread).
     """
-    replica = _REPLICAS.get(_loop_key())
+    try:
+        key = _loop_key()
+    except RuntimeError:
+        raise RuntimeError(
+            "cachebroker.ray.routing_stats() reads the replica's broker on its event loop: "
+            "call it from 'async def record_routing_stats(self)'"
+        ) from None
+    replica = _REPLICAS.get(key)
     if replica is None or replica.closed:
-        return {ROUTING_KEY: {"free": {}, "sizes": {}}}
+        return {ROUTING_KEY: {"free": {}, "budget": {}, "sizes": {}}}
     return replica.routing_stats()
 
 
@@ -296,7 +310,7 @@ class _Nowhere:
     def model_id(self) -> str:
         raise InvalidArgument("no model id given, and this is not a Ray Serve request")
 
-    def report(self, model_ids: list[str], routing_stats: dict[str, Any]) -> None:
+    def report(self, model_ids: list[str]) -> None:
         pass
 
     def metrics(self) -> MetricSink | None:
@@ -466,28 +480,30 @@ class Replica:
         return list(ids)
 
     def routing_stats(self) -> dict[str, Any]:
-        """What ``BrokerRouter`` routes by: free bytes per space, the held models' sizes."""
+        """What ``BrokerRouter`` routes by: free bytes and budget per space, held models' sizes."""
         sizes: dict[str, dict[str, int]] = {}
         for models in self._models:
             sizes.update(models.ready_sizes())
         free: dict[str, int] = {}
+        budget: dict[str, int] = {}
         if self._broker is not None and not self.closed:
             stats = self._broker.stats_nowait()
             used = stats.broker_used if stats.broker_used is not None else stats.used
-            free = {space: max(0, cap - used.get(space, 0)) for space, cap in stats.budget.items()}
-        return {ROUTING_KEY: {"free": free, "sizes": sizes}}
+            budget = dict(stats.budget)
+            free = {space: max(0, cap - used.get(space, 0)) for space, cap in budget.items()}
+        return {ROUTING_KEY: {"free": free, "budget": budget, "sizes": sizes}}
 
     async def _report_loop(self) -> None:
-        last: tuple[list[str], dict[str, Any]] | None = None
+        last: list[str] | None = None
         while True:
             with anyio.move_on_after(REPORT_REFRESH) as waited:
                 await self._changed.wait()
             self._changed = anyio.Event()
-            now = (self.model_ids(), self.routing_stats())
-            if now != last or waited.cancelled_caught:
-                last = now
+            ids = self.model_ids()
+            if ids != last or waited.cancelled_caught:
+                last = ids
                 try:
-                    self.surface.report(*now)
+                    self.surface.report(ids)
                 except Exception as exc:
                     self._emit("warning", ev.RAY_REPORT_FAILED, error=repr(exc))
             await anyio.sleep(REPORT_EVERY)

@@ -21,7 +21,7 @@ from ray.serve.request_router import (
 )
 
 from ._replica import ROUTING_KEY
-from ._routing import Candidate, rank
+from ._routing import Candidate, Ledger, rank
 
 __all__ = ["BrokerRouter"]
 
@@ -33,20 +33,26 @@ SENT_FOR = 10.0
 class BrokerRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     """Routes a request to a replica that holds its model, else where it fits without eviction.
 
-    Replicas of ``@cachebroker.ray.multiplexed`` deployments push their model
-    ids and their free bytes per space (with the sizes of the models they
-    hold) to Serve's controller whenever they change; this router ranks the
-    replicas by them (see ``_routing.rank``): holders first, then the replica
-    with the most free bytes where the model fits, then the others by free
-    bytes. Requests without a model id go to the shorter queue of two random
-    replicas, as Serve's default router does. A model just sent to a replica
-    keeps going there until that replica's report catches up, so a burst of
-    requests for a model that no replica holds yet loads it once.
+    Replicas of ``@cachebroker.ray.multiplexed`` deployments report the model
+    ids they hold at once, and their free bytes per space (with their budget
+    and the sizes of the models they hold) when Serve polls their
+    ``record_routing_stats`` (which returns ``cachebroker.ray.routing_stats()``).
+    This router ranks the replicas by them (see ``_routing.rank``): holders
+    first, then the one replica where the model fits with the most bytes to
+    spare, then the others by free bytes. Requests without a model id go to
+    the shorter queue of two random replicas, as Serve's default router does.
+
+    Between two polls the router keeps its own account (``_routing.Ledger``):
+    a model sent to a replica keeps going there, and its size counts as
+    taken from that replica's free bytes, until the replica's own stats show
+    it. So a burst of requests for models no replica holds yet spreads by
+    bytes, and loads each model once.
     """
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self._sent: dict[str, tuple[ReplicaID, float]] = {}
+        self._ledger = Ledger(expire=SENT_FOR)
         self._sizes: dict[str, dict[str, int]] = {}
+        self._budget: dict[str, int] = {}
 
     async def choose_replicas(
         self,
@@ -58,21 +64,38 @@ class BrokerRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         model_id = pending_request.metadata.multiplexed_model_id if pending_request else ""
         if not model_id:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
-        candidates = []
-        for replica in candidate_replicas:
-            stats = (replica.routing_stats or {}).get(ROUTING_KEY) or {}
-            self._sizes.update(stats.get("sizes") or {})
-            candidates.append(
-                Candidate(replica, replica.multiplexed_model_ids, stats.get("free") or {})
-            )
-        sent_to = None
-        sent = self._sent.get(model_id)
-        if sent is not None:
-            if time.monotonic() - sent[1] < SENT_FOR:
-                sent_to = next((r for r in candidate_replicas if r.replica_id == sent[0]), None)
-            else:
-                del self._sent[model_id]
-        return rank(model_id, candidates, size=self._sizes.get(model_id), sent_to=sent_to)
+        now = time.monotonic()
+        candidates = [self._candidate(replica, now) for replica in candidate_replicas]
+        holders = self._ledger.holders(model_id, now)
+        ranks = rank(
+            model_id,
+            candidates,
+            size=self._sizes.get(model_id),
+            holders=[r for r in candidate_replicas if r.replica_id in holders],
+        )
+        if ranks and not any(model_id in r.multiplexed_model_ids for r in ranks[0]):
+            # A load: book it where it goes first, so that the next request
+            # (routed before this one lands) sees it there.
+            self._book(ranks[0][0].replica_id, model_id, now)
+        return ranks
+
+    def _candidate(self, replica: RunningReplica, now: float) -> Candidate[RunningReplica]:
+        stats = (replica.routing_stats or {}).get(ROUTING_KEY) or {}
+        sizes = stats.get("sizes") or {}
+        self._sizes.update(sizes)
+        for space, n in (stats.get("budget") or {}).items():
+            self._budget[space] = max(n, self._budget.get(space, 0))
+        replica_id = replica.replica_id
+        self._ledger.settle(replica_id, sizes, now)
+        return Candidate(
+            replica,
+            replica.multiplexed_model_ids,
+            self._ledger.free(replica_id, stats.get("free"), self._budget),
+            self._ledger.count(replica_id),
+        )
+
+    def _book(self, replica_id: ReplicaID, model_id: str, now: float) -> None:
+        self._ledger.sent(replica_id, model_id, self._sizes.get(model_id, {}), now)
 
     def on_request_routed(
         self,
@@ -81,5 +104,10 @@ class BrokerRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         result: Any,
     ) -> None:
         model_id = pending_request.metadata.multiplexed_model_id
-        if model_id:
-            self._sent[model_id] = (replica_id, time.monotonic())
+        replica = self.curr_replicas.get(replica_id)
+        if model_id and (replica is None or model_id not in replica.multiplexed_model_ids):
+            self._book(replica_id, model_id, time.monotonic())  # where it really went
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._ledger.forget(replica_id)

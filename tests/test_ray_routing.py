@@ -1,0 +1,98 @@
+"""BrokerRouter's ranking and ledger, without Ray: holders, then where the model fits."""
+
+from __future__ import annotations
+
+import random
+
+from cachebroker.ray._routing import Candidate, Ledger, rank
+
+
+def candidates(**free: dict[str, int]) -> list[Candidate[str]]:
+    return [Candidate(name, (), spaces) for name, spaces in free.items()]
+
+
+def test_holders_come_first_all_of_them() -> None:
+    cands = [
+        Candidate("a", ["m"], {"gpu": 0}),
+        Candidate("b", [], {"gpu": 100}),
+        Candidate("c", ["m", "n"], {"gpu": 5}),
+    ]
+    ranks = rank("m", cands, size={"gpu": 10}, rng=random.Random(1))
+    assert sorted(ranks[0]) == ["a", "c"]
+    assert ranks[1:] == [["b"]]
+
+
+def test_where_it_fits_beats_more_free_bytes_where_it_does_not() -> None:
+    cands = candidates(a={"gpu": 12, "ram": 0}, b={"gpu": 50, "ram": 50}, c={"gpu": 30, "ram": 10})
+    # 10 bytes in each space: b and c fit (b with more to spare), a has no ram left
+    assert rank("m", cands, size={"gpu": 10, "ram": 10}) == [["b"], ["c", "a"]]
+    # 40 in gpu: only b fits; then c (more free bytes than a)
+    assert rank("m", cands, size={"gpu": 40, "ram": 10}) == [["b"], ["c", "a"]]
+    # 60: nowhere; the most free bytes first
+    assert rank("m", cands, size={"gpu": 60}) == [["b"], ["c", "a"]]
+
+
+def test_a_fitting_replica_beats_one_with_more_free_bytes_that_does_not_fit() -> None:
+    cands = candidates(a={"gpu": 11, "ram": 11}, b={"gpu": 100, "ram": 5})
+    assert rank("m", cands, size={"gpu": 10, "ram": 10}) == [["a"], ["b"]]
+
+
+def test_without_a_known_size_the_most_free_bytes_win() -> None:
+    cands = candidates(a={"gpu": 5}, b={"gpu": 50}, c={"gpu": 20}, d={"gpu": 1})
+    assert rank("m", cands, size=None, rng=random.Random(3)) == [["b"], ["c", "a", "d"]]
+
+
+def test_a_replica_nothing_is_known_about_counts_as_all_free_fewest_sent_first() -> None:
+    cands = [
+        Candidate("a", (), {"gpu": 50}),
+        Candidate("fresh", (), None, sent=2),
+        Candidate("fresher", (), None, sent=1),
+    ]
+    assert rank("m", cands, size={"gpu": 10}) == [["fresher"], ["fresh", "a"]]
+
+
+def test_the_replica_just_sent_the_model_counts_as_a_holder() -> None:
+    cands = candidates(a={"gpu": 50}, b={"gpu": 0})
+    assert rank("m", cands, size={"gpu": 10}, holders=["b"]) == [["b"], ["a"]]
+
+
+def test_equal_replicas_share_the_load() -> None:
+    cands = candidates(a={"gpu": 10}, b={"gpu": 10}, c={"gpu": 10})
+    first = {rank("m", cands, size=None, rng=random.Random(seed))[0][0] for seed in range(30)}
+    assert first == {"a", "b", "c"}
+
+
+def test_no_candidates_no_ranks() -> None:
+    assert rank("m", [], size=None) == []
+
+
+def test_the_ledger_takes_what_was_sent_from_the_free_bytes_until_reported() -> None:
+    ledger = Ledger(expire=10.0)
+    ledger.sent("r1", "m", {"gpu": 30}, now=0.0)
+    ledger.sent("r1", "n", {}, now=0.0)  # size unknown: counted, not subtracted
+    assert ledger.free("r1", {"gpu": 100}, None) == {"gpu": 70}
+    assert ledger.count("r1") == 2 and ledger.holders("m", now=1.0) == ["r1"]
+    ledger.settle("r1", reported={"m": {"gpu": 30}}, now=1.0)  # its stats show m now
+    assert ledger.free("r1", {"gpu": 70}, None) == {"gpu": 70}
+    assert ledger.holders("m", now=1.0) == []
+    assert ledger.holders("n", now=9.0) == ["r1"] and ledger.holders("n", now=10.0) == []
+    ledger.settle("r1", reported={}, now=10.0)
+    assert ledger.count("r1") == 0
+
+
+def test_the_ledger_estimates_a_replica_without_stats_from_the_budget() -> None:
+    ledger = Ledger()
+    assert ledger.free("r", None, None) is None
+    assert ledger.free("r", {}, {"gpu": 100}) == {"gpu": 100}
+    ledger.sent("r", "m", {"gpu": 120}, now=0.0)
+    assert ledger.free("r", {}, {"gpu": 100}) == {"gpu": 0}
+
+
+def test_a_model_sent_elsewhere_moves_in_the_ledger() -> None:
+    ledger = Ledger()
+    ledger.sent("r1", "m", {"gpu": 10}, now=0.0)
+    ledger.sent("r2", "m", {"gpu": 10}, now=0.0)  # r1 refused it; r2 took it
+    assert ledger.holders("m", now=0.0) == ["r2"]
+    assert ledger.free("r1", {"gpu": 50}, None) == {"gpu": 50}
+    ledger.forget("r2")
+    assert ledger.holders("m", now=0.0) == []
