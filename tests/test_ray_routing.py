@@ -72,11 +72,13 @@ def test_the_ledger_takes_what_was_sent_from_the_free_bytes_until_reported() -> 
     ledger.sent("r1", "n", {}, now=0.0)  # size unknown: counted, not subtracted
     assert ledger.free("r1", {"gpu": 100}, None) == {"gpu": 70}
     assert ledger.count("r1") == 2 and ledger.holders("m", now=1.0) == ["r1"]
-    ledger.settle("r1", reported={"m": {"gpu": 30}}, now=1.0)  # its stats show m now
+    ledger.settle("r1", model_ids={"m"}, stats_sizes=(), now=0.5)  # its model ids show m
+    assert ledger.holders("m", now=0.5) == []  # the model ids say where m is from now on
+    assert ledger.free("r1", {"gpu": 100}, None) == {"gpu": 70}  # its stats do not show it yet
+    ledger.settle("r1", model_ids={"m"}, stats_sizes={"m"}, now=1.0)  # its stats show m now
     assert ledger.free("r1", {"gpu": 70}, None) == {"gpu": 70}
-    assert ledger.holders("m", now=1.0) == []
     assert ledger.holders("n", now=9.0) == ["r1"] and ledger.holders("n", now=10.0) == []
-    ledger.settle("r1", reported={}, now=10.0)
+    ledger.settle("r1", model_ids=(), stats_sizes=(), now=10.0)
     assert ledger.count("r1") == 0
 
 

@@ -12,8 +12,6 @@ import time
 from typing import Any
 
 from ray.serve.request_router import (
-    FIFOMixin,
-    MultiplexMixin,
     PendingRequest,
     ReplicaID,
     RequestRouter,
@@ -28,9 +26,13 @@ __all__ = ["BrokerRouter"]
 #: Seconds a model id stays routed to the replica it was last sent to, before
 #: that replica's own report says it holds it (or no longer does).
 SENT_FOR = 10.0
+#: Seconds a request waits for busy replicas that hold its model before it may
+#: go to another one (and load the model there): Serve's own multiplexed
+#: matching timeout.
+HOLDER_WAIT = 1.0
 
 
-class BrokerRouter(FIFOMixin, MultiplexMixin, RequestRouter):
+class BrokerRouter(RequestRouter):
     """Routes a request to a replica that holds its model, else where it fits without eviction.
 
     Replicas of ``@cachebroker.ray.multiplexed`` deployments report the model
@@ -46,10 +48,29 @@ class BrokerRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     a model sent to a replica keeps going there, and its size counts as
     taken from that replica's free bytes, until the replica's own stats show
     it. So a burst of requests for models no replica holds yet spreads by
-    bytes, and loads each model once.
+    bytes, and loads each model once. A request whose model's holders are all
+    busy waits for them up to ``holder_wait_s`` (1 s) before it may go to
+    another replica and load the model there.
+
+    Each request goes to the replica chosen for it (Serve's default router
+    hands a chosen replica to the oldest waiting request instead, which
+    would put a model where another one was placed).
     """
 
-    def initialize_state(self, **kwargs: Any) -> None:
+    def initialize_state(self, holder_wait_s: float = HOLDER_WAIT, **kwargs: Any) -> None:
+        """``holder_wait_s``: how long a request waits for a busy replica that holds its model.
+
+        Given as ``RequestRouterConfig(request_router_kwargs={"holder_wait_s": 5.0})``.
+        """
+        if kwargs:
+            raise TypeError(f"BrokerRouter got unknown arguments: {', '.join(sorted(kwargs))}")
+        if (
+            isinstance(holder_wait_s, bool)
+            or not isinstance(holder_wait_s, (int, float))
+            or not holder_wait_s >= 0
+        ):
+            raise ValueError(f"holder_wait_s must be seconds >= 0, got {holder_wait_s!r}")
+        self._holder_wait = float(holder_wait_s)
         self._ledger = Ledger(expire=SENT_FOR)
         self._sizes: dict[str, dict[str, int]] = {}
         self._budget: dict[str, int] = {}
@@ -73,6 +94,13 @@ class BrokerRouter(FIFOMixin, MultiplexMixin, RequestRouter):
             size=self._sizes.get(model_id),
             holders=[r for r in candidate_replicas if r.replica_id in holders],
         )
+        held = bool(ranks) and any(
+            model_id in r.multiplexed_model_ids or r.replica_id in holders for r in ranks[0]
+        )
+        if held and pending_request is not None:
+            if time.time() - pending_request.created_at < self._holder_wait:
+                return ranks[:1]  # busy holders: wait for them (with backoff) rather than load
+            return ranks
         if ranks and not any(model_id in r.multiplexed_model_ids for r in ranks[0]):
             # A load: book it where it goes first, so that the next request
             # (routed before this one lands) sees it there.
@@ -86,7 +114,7 @@ class BrokerRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         for space, n in (stats.get("budget") or {}).items():
             self._budget[space] = max(n, self._budget.get(space, 0))
         replica_id = replica.replica_id
-        self._ledger.settle(replica_id, sizes, now)
+        self._ledger.settle(replica_id, replica.multiplexed_model_ids, sizes, now)
         return Candidate(
             replica,
             replica.multiplexed_model_ids,

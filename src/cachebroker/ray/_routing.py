@@ -60,53 +60,71 @@ def rank(
     others = [c for c in order if model_id not in c.models and c.replica not in holders]
 
     def key(c: Candidate[R]) -> tuple[bool, float, int]:
-        if c.free is None:
+        if c.free is None:  # nothing known: it has served no model
             return (True, math.inf, -c.sent)
-        fits = all(c.free.get(space, 0) >= n for space, n in (size or {}).items())
-        return (fits and bool(size), sum(c.free.values()), -c.sent)
+        free = sum(c.free.values())
+        fits = bool(size) and all(c.free.get(space, 0) >= n for space, n in (size or {}).items())
+        return (fits, free, -c.sent)
 
     others.sort(key=key, reverse=True)
     ranks = [first, [c.replica for c in others[:1]], [c.replica for c in others[1:]]]
     return [r for r in ranks if r]
 
 
+@attrs.define
+class _Sent:
+    size: Mapping[str, int]
+    when: float
+    shown: bool = False  # the replica's model ids include it
+
+
 class Ledger:
     """What a router sent where, until the replicas' own reports show it.
 
     ``sent(replica, model, size, now)`` books a model sent to a replica that
-    did not report it; ``free(...)`` is the replica's reported free bytes
-    less the sizes sent since and not yet in its report; an entry leaves when
-    the replica's stats list the model, or after ``expire`` seconds.
+    did not report it. Until the replica's model ids include it, the replica
+    counts as its holder (``holders``); until its stats list the model (they
+    are polled, so they come later), its size counts as taken from the
+    replica's free bytes (``free``). An entry leaves after ``expire`` seconds
+    in any case.
     """
 
     def __init__(self, expire: float = 10.0) -> None:
         self.expire = expire
-        self._sent: dict[Hashable, dict[str, tuple[Mapping[str, int], float]]] = {}
+        self._sent: dict[Hashable, dict[str, _Sent]] = {}
 
     def sent(self, replica: Hashable, model_id: str, size: Mapping[str, int], now: float) -> None:
         for other in self._sent.values():  # one replica at a time holds a model just sent
             other.pop(model_id, None)
-        self._sent.setdefault(replica, {})[model_id] = (dict(size), now)
+        self._sent.setdefault(replica, {})[model_id] = _Sent(dict(size), now)
 
     def holders(self, model_id: str, now: float) -> list[Hashable]:
-        return [
-            replica
-            for replica, models in self._sent.items()
-            if model_id in models and now - models[model_id][1] < self.expire
-        ]
+        found = []
+        for replica, models in self._sent.items():
+            entry = models.get(model_id)
+            if entry is not None and not entry.shown and now - entry.when < self.expire:
+                found.append(replica)
+        return found
 
     def count(self, replica: Hashable) -> int:
         return len(self._sent.get(replica, ()))
 
-    def settle(self, replica: Hashable, reported: Collection[str], now: float) -> None:
-        """Forget what ``replica``'s stats now show (``reported``), and what expired."""
+    def settle(
+        self,
+        replica: Hashable,
+        model_ids: Collection[str],
+        stats_sizes: Collection[str],
+        now: float,
+    ) -> None:
+        """Take in what ``replica`` reported: its model ids, the models its stats list."""
         models = self._sent.get(replica)
         if not models:
             return
-        for model_id in [
-            m for m, (_, t) in models.items() if m in reported or now - t >= self.expire
-        ]:
-            del models[model_id]
+        for model_id, entry in list(models.items()):
+            if model_id in stats_sizes or now - entry.when >= self.expire:
+                del models[model_id]
+            elif model_id in model_ids:
+                entry.shown = True
 
     def free(
         self,
@@ -119,8 +137,8 @@ class Ledger:
         if not base:
             return None
         free = dict(base)
-        for size, _ in self._sent.get(replica, {}).values():
-            for space, n in size.items():
+        for entry in self._sent.get(replica, {}).values():
+            for space, n in entry.size.items():
                 if space in free:
                     free[space] = max(0, free[space] - n)
         return free
