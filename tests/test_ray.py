@@ -26,6 +26,14 @@ from .test_remote import serving
 
 pytestmark = pytest.mark.anyio
 
+#: Ray Serve replicas run asyncio: what only a replica started in the
+#: background does is tested there (with and without uvloop).
+ASYNCIO_ONLY = pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {}), ("asyncio", {"use_uvloop": True})],
+    ids=["asyncio", "uvloop"],
+)
+
 
 class FakeMetric:
     def __init__(self, kind: str, name: str, tag_keys: tuple[str, ...]) -> None:
@@ -598,11 +606,10 @@ async def test_a_replica_starts_on_first_use_in_the_background(
     assert d.freed == ["a"]
 
 
+@ASYNCIO_ONLY
 async def test_a_replica_whose_broker_did_not_start_tries_again_next_request(
-    anyio_backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if anyio_backend[0] == "trio":
-        pytest.skip("Ray Serve replicas run asyncio")
     monkeypatch.setattr(_replica, "_SURFACE", FakeSurface)
     d = Deployment()
     with pytest.raises(cachebroker.BrokerClosed, match=r"did not start.*CACHEBROKER_BUDGET"):
@@ -661,3 +668,19 @@ def test_a_loader_pickles_without_what_its_process_made() -> None:
     assert isinstance(shipped, Multiplexed)
     assert shipped.name == "_load_function_model"
     assert shipped._bound is None and shipped._standalone is None
+
+
+async def test_a_size_callable_that_raises_says_whose_it_was() -> None:
+    class Sized:
+        @multiplexed(size=lambda model_id: {"a": 1}[model_id])
+        async def get_model(self, model_id: str) -> str:
+            return model_id
+
+    s = Sized()
+    async with hosted(FakeSurface(), budget=10):
+        with pytest.raises(KeyError) as caught:
+            async with s.get_model("zz"):
+                pass
+        assert "Sized.get_model's size callable for model 'zz'" in caught.value.__notes__[0]
+        async with s.get_model("a") as model:  # nothing was left half-done
+            assert model == "a"

@@ -28,8 +28,17 @@ def test_where_it_fits_beats_more_free_bytes_where_it_does_not() -> None:
     assert rank("m", cands, size={"gpu": 10, "ram": 10}) == [["b"], ["c", "a"]]
     # 40 in gpu: only b fits; then c (more free bytes than a)
     assert rank("m", cands, size={"gpu": 40, "ram": 10}) == [["b"], ["c", "a"]]
-    # 60: nowhere; the most free bytes first
+    # 60: nowhere; the fewest bytes to evict first
     assert rank("m", cands, size={"gpu": 60}) == [["b"], ["c", "a"]]
+
+
+def test_where_nothing_fits_the_fewest_bytes_to_evict_in_the_models_spaces_win() -> None:
+    # b has far more free bytes in all, but in RAM, which the model does not use
+    cands = candidates(a={"gpu": 8, "ram": 0}, b={"gpu": 2, "ram": 1000})
+    assert rank("m", cands, size={"gpu": 10}) == [["a"], ["b"]]
+    # where it fits, the room left in its own spaces decides too
+    cands = candidates(a={"gpu": 30, "ram": 0}, b={"gpu": 12, "ram": 1000})
+    assert rank("m", cands, size={"gpu": 10}) == [["a"], ["b"]]
 
 
 def test_a_fitting_replica_beats_one_with_more_free_bytes_that_does_not_fit() -> None:
@@ -64,6 +73,12 @@ def test_equal_replicas_share_the_load() -> None:
 
 def test_no_candidates_no_ranks() -> None:
     assert rank("m", [], size=None) == []
+    assert rank("m", [], size={"gpu": 1}, holders=["r"]) == []
+
+
+def test_a_model_measured_at_nothing_fits_anywhere_with_stats() -> None:
+    cands = candidates(a={"gpu": 1}, b={"gpu": 0})
+    assert rank("m", cands, size={"gpu": 0}) == [["a"], ["b"]]
 
 
 def test_the_ledger_takes_what_was_sent_from_the_free_bytes_until_reported() -> None:

@@ -8,6 +8,7 @@ Ray starts in a few seconds here (``ray.init(num_cpus=2)``, Serve on
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import signal
@@ -130,14 +131,14 @@ def test_repeat_requests_go_to_the_replica_that_holds_the_model(cluster: int) ->
 
 
 def test_broker_router_sends_a_new_model_where_it_fits_without_eviction(cluster: int) -> None:
-    from ray.serve.config import RequestRouterConfig
-
     from cachebroker.ray import BrokerRouter
+
+    config: Any = importlib.import_module("ray.serve.config")
 
     handle = deploy(
         "router",
         ray_app.brokered(SIZES, BUDGET, load_seconds=0.0),
-        request_router_config=RequestRouterConfig(
+        request_router_config=config.RequestRouterConfig(
             request_router_class=BrokerRouter, request_routing_stats_period_s=0.5
         ),
     )
@@ -159,7 +160,7 @@ def test_broker_router_sends_a_new_model_where_it_fits_without_eviction(cluster:
     for model_id, pid in [("m0", first), ("m3", second), ("m1", second)] * 3:
         result = call(handle, model_id)
         assert result["pid"] == pid, (model_id, result)
-        assert result["loads"] == {m: 1 for m in result["held"]}, "a model was loaded twice"
+        assert result["loads"] == dict.fromkeys(result["held"], 1), "a model was loaded twice"
     serve.delete("router")
 
 

@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any, Final, Generic, Protocol, TypeVar, overload
 
 from .. import _log_events as ev
+from .._core import State
 from .._errors import InvalidArgument
 from .._shell import Broker, Cache, Lease
 from .._shell._config import non_negative_seconds, positive_seconds
@@ -223,8 +224,8 @@ class Models(Generic[T]):
         elif not model_id:
             raise InvalidArgument(f"{self.name}: the model id is empty")
         spec = self._spec
-        size = spec.size(model_id) if callable(spec.size) else spec.size
-        cost = spec.cost(model_id) if callable(spec.cost) else spec.cost
+        size = self._call(spec.size, "size", model_id) if callable(spec.size) else spec.size
+        cost = self._call(spec.cost, "cost", model_id) if callable(spec.cost) else spec.cost
         new = model_id not in self._ready
         if new:
             self._asked[model_id] = self._asked.get(model_id, 0) + 1
@@ -248,14 +249,38 @@ class Models(Generic[T]):
                     del self._asked[model_id]
                 replica.changed()
 
+    def _call(self, func: Callable[[str], Any], what: str, model_id: str) -> Any:
+        """``func(model_id)``; what it raises says whose callable it was."""
+        try:
+            return func(model_id)
+        except Exception as exc:
+            exc.add_note(f"(raised by {self.name}'s {what} callable for model {model_id!r})")
+            raise
+
     async def _open(self) -> Cache:
-        replica = _replica.current(self._spec.broker_options, self.name)
+        replica = _replica.current(
+            self._spec.broker_options, self.name, start=self._start_options()
+        )
         if replica is not self._replica:
             self._loading.clear()
             self._ready.clear()
         self._replica = replica
         self._cache = cache = await replica.cache(self)
         return cache
+
+    def _start_options(self) -> tuple[Mapping[str, Any], str]:
+        """The broker settings to start the replica with, and the loader giving them.
+
+        A replica has one broker, whose settings one loader of the deployment
+        may give for all: this loader's, else the first such loader's of its class.
+        """
+        spec = self._spec
+        if not spec.broker_options and self._instance is not None:
+            for klass in type(self._instance).__mro__:
+                for value in vars(klass).values():
+                    if isinstance(value, Multiplexed) and value.broker_options:
+                        return value.broker_options, value.name
+        return spec.broker_options, self.name
 
     def _loader(self, model_id: str) -> Callable[[], Any]:
         if self._instance is None:
@@ -283,18 +308,32 @@ class Models(Generic[T]):
             return
         if event == ev.LOAD_START:
             self._loading[key] = None
-        elif event == ev.LOAD_DONE:
+        elif event in (ev.LOAD_FAILED, ev.LOAD_CANCELLED):  # (told before the books)
             self._loading.pop(key, None)
-            self._ready[key] = dict(fields.get("bytes") or {})
-        elif event in (ev.LOAD_FAILED, ev.LOAD_CANCELLED):
-            self._loading.pop(key, None)
-        elif event == ev.RELEASE_REQUESTED:
-            self._loading.pop(key, None)
-            self._ready.pop(key, None)
-        else:
+        elif event in (ev.LOAD_DONE, ev.RELEASE_REQUESTED):  # (told after the books)
+            self._settle(key)
+        elif event != ev.RELEASE_FREED:  # (freed: the same ids, more free bytes)
             return
         if self._replica is not None:
             self._replica.changed()
+
+    def _settle(self, key: str) -> None:
+        """Ready or loading as the books hold ``key`` now, after an event about it.
+
+        The event may be about an entry that no longer holds the key: a
+        threaded load whose requesters all left, finishing (and released as
+        superfluous) after a newer load of the same key.
+        """
+        cache = self._cache
+        entry = cache._entries.get(key) if cache is not None else None
+        state = entry.state if entry is not None else None
+        if entry is not None and state is State.READY:
+            self._loading.pop(key, None)
+            self._ready[key] = dict(entry.charge)
+            return
+        self._ready.pop(key, None)
+        if state is not State.LOADING:
+            self._loading.pop(key, None)
 
     def model_ids(self) -> list[str]:
         """The model ids loaded and ready in this replica, oldest load first."""

@@ -53,6 +53,8 @@ REPORT_EVERY: Final = 0.1
 #: Seconds after which the model ids are reported again even if unchanged
 #: (a restarted Serve controller learns them again).
 REPORT_REFRESH: Final = 30.0
+#: Seconds after a report that failed before it is tried again, even if unchanged.
+REPORT_RETRY: Final = 1.0
 #: Seconds between two exports of the broker's gauges and counters.
 METRICS_EVERY: Final = 5.0
 #: The key of cachebroker's entry in a replica's routing stats.
@@ -178,12 +180,19 @@ _REPLICAS: dict[int, Replica] = {}
 _SURFACE: Callable[[], Surface] = RaySurface
 
 
-def current(options: Mapping[str, Any], owner: str) -> Replica:
+def current(
+    options: Mapping[str, Any],
+    owner: str,
+    *,
+    start: tuple[Mapping[str, Any], str] | None = None,
+) -> Replica:
     """The replica of the running loop, started in the background on first use.
 
     ``options`` are the broker settings of the loader asking (``owner``);
     a replica has one broker, so a second loader's different settings are an
-    ``InvalidArgument``.
+    ``InvalidArgument``. ``start``: the settings (and the loader giving them)
+    to start the replica with, if not ``options``: another loader's of the
+    same deployment, when this one gives none.
     """
     key = _loop_key()
     replica = _REPLICAS.get(key)
@@ -195,7 +204,8 @@ def current(options: Mapping[str, Any], owner: str) -> Replica:
                 f"{owner} runs in a Ray Serve replica (asyncio); elsewhere run it inside "
                 "'async with cachebroker.ray.hosted(...)'"
             )
-        replica = _REPLICAS[key] = Replica(_SURFACE(), options, owner, key)
+        start_options, start_owner = start if start is not None else (options, owner)
+        replica = _REPLICAS[key] = Replica(_SURFACE(), start_options, start_owner, key)
         replica.spawn_detached()
     else:
         replica.check_options(options, owner)
@@ -358,10 +368,16 @@ class Replica:
     async def _run_detached(self) -> None:
         try:
             await self.run()
-        except BaseException as exc:  # run() hands start errors to the waiters
+        except BaseException as exc:
+            # A start error goes to the requests waiting for the broker (and
+            # the next request starts it again); so does a failure that
+            # stopped it (a loader's process-level exception, already logged
+            # as its load's failure). The process's own ends go on up.
             if self._start_error is None:
                 self._start_error = exc
             self._started.set()
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):
+                raise
         finally:
             self.closed = True
             if _REPLICAS.get(self._key) is self:
@@ -384,19 +400,28 @@ class Replica:
                 self._broker = broker
                 # The caches' tasks, then the reporting loops inside: closing
                 # stops the loops and lets each cache close (releasing its
-                # models) before the broker stops.
-                async with anyio.create_task_group() as self._tg:
+                # models) before the broker stops. A failure of a cache (a
+                # loader's process-level exception) leaves as itself, not
+                # wrapped in the task group's exception group.
+                tg = self._tg = anyio.create_task_group()
+                await tg.__aenter__()
+                try:
                     async with anyio.create_task_group() as loops:
-                        sink = self.surface.metrics()
-                        if sink is not None:
-                            self._exporter = _Exporter(self, sink)
-                            broker.add_listener(self._exporter.on_event)
-                            loops.start_soon(self._export_loop, self._exporter)
+                        exporter = self._make_exporter()
+                        if exporter is not None:
+                            self._exporter = exporter
+                            broker.add_listener(exporter.on_event)
+                            loops.start_soon(self._export_loop, exporter)
                         loops.start_soon(self._report_loop)
                         self._started.set()
                         task_status.started()
                         await self._closing.wait()
                         loops.cancel_scope.cancel()
+                except BaseException as exc:
+                    if not await exit_task_group(tg, type(exc), exc, exc.__traceback__):
+                        raise
+                else:
+                    await exit_task_group(tg, None, None, None)
             except BaseException as exc:
                 await broker.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
@@ -405,6 +430,15 @@ class Replica:
         finally:
             self.closed = True
             self._stopped.set()
+
+    def _make_exporter(self) -> _Exporter | None:
+        """The metrics, if the surface has somewhere to export them and they could be made."""
+        try:
+            sink = self.surface.metrics()
+            return None if sink is None else _Exporter(self, sink)
+        except Exception as exc:  # a replica without metrics still serves
+            self._emit("warning", ev.RAY_REPORT_FAILED, to="metrics", error=repr(exc))
+            return None
 
     async def close(self) -> None:
         """Close every cache (releasing its models), then the broker."""
@@ -436,7 +470,8 @@ class Replica:
             return cache
         self._opening[models] = opening = anyio.Event()
         try:
-            taken = {other.name for other in self._models if other is not models}
+            # (the loaders open or opening: two first requests may open at once)
+            taken = {other.name for other in [*self._models, *self._opening] if other is not models}
             base, n = models.name, 1
             while models.name in taken:  # two instances of one deployment in one process
                 n += 1
@@ -467,10 +502,13 @@ class Replica:
     # ------------------------------------------------------------ telling Ray
 
     def changed(self) -> None:
-        """A loader's model ids changed: report them soon."""
+        """A loader's model ids (or the free bytes) changed: report them soon."""
         self._changed.set()
         if self._exporter is not None:
-            self._exporter.models_changed()
+            try:
+                self._exporter.models_changed()
+            except Exception as exc:  # a metrics failure fails no request
+                self._emit("warning", ev.RAY_REPORT_FAILED, to="metrics", error=repr(exc))
 
     def model_ids(self) -> list[str]:
         """Model ids held, loading or asked for, over every loader, in first-seen order."""
@@ -495,22 +533,29 @@ class Replica:
 
     async def _report_loop(self) -> None:
         last: list[str] | None = None
+        wait = REPORT_REFRESH
         while True:
-            with anyio.move_on_after(REPORT_REFRESH) as waited:
+            with anyio.move_on_after(wait) as waited:
                 await self._changed.wait()
             self._changed = anyio.Event()
             ids = self.model_ids()
             if ids != last or waited.cancelled_caught:
-                last = ids
                 try:
                     self.surface.report(ids)
                 except Exception as exc:
-                    self._emit("warning", ev.RAY_REPORT_FAILED, error=repr(exc))
+                    self._emit("warning", ev.RAY_REPORT_FAILED, to="router", error=repr(exc))
+                    # Not told: tell it again soon, changed or not.
+                    last, wait = None, REPORT_RETRY
+                else:
+                    last, wait = ids, REPORT_REFRESH
             await anyio.sleep(REPORT_EVERY)
 
     async def _export_loop(self, exporter: _Exporter) -> None:
         while True:
-            exporter.export()
+            try:
+                exporter.export()
+            except Exception as exc:  # nor does it stop the replica
+                self._emit("warning", ev.RAY_REPORT_FAILED, to="metrics", error=repr(exc))
             await anyio.sleep(METRICS_EVERY)
 
     def _emit(self, level: str, event: str, **fields: Any) -> None:
@@ -636,8 +681,8 @@ class _Exporter:
         stats = broker.stats_nowait()
         used = stats.broker_used if stats.broker_used is not None else stats.used
         tags = {
-            "running_lora_adapters": ",".join(running),
-            "waiting_lora_adapters": ",".join(waiting),
+            "running_lora_adapters": _comma_list(running),
+            "waiting_lora_adapters": _comma_list(waiting),
             "max_lora": str(len(running) + room_for(charges, stats.budget, used)),
         }
         self._resident.set(float(len(running)))
@@ -645,6 +690,15 @@ class _Exporter:
             self._info.set(0.0, self._info_tags)  # superseded: the latest reading wins
         self._info.set(time.time(), tags)
         self._info_tags = tags
+
+
+def _comma_list(model_ids: Iterable[str]) -> str:
+    """Model ids joined with commas, as their readers split them: an id with a comma is left out.
+
+    Written, ``"a,b"`` would read as two models ``a`` and ``b`` that this
+    replica may not hold; left out, the reader only misses one it does hold.
+    """
+    return ",".join(model_id for model_id in model_ids if "," not in model_id)
 
 
 def room_for(

@@ -2,11 +2,12 @@
 
 A replica that holds the model (or was just sent it) comes first: no load
 at all. Otherwise the one replica where the model fits in the free bytes
-with the most to spare: a load without an eviction. A replica the router
-knows nothing about yet counts as all free (it has served no model); among
-those, the one sent fewer models wins. Then the others, most free bytes
-first: the fewest evictions. Ties keep a random order, so that equal
-replicas share the load.
+with the most to spare (in the model's own spaces): a load without an
+eviction, on the replica with the most room left for others. A replica the
+router knows nothing about yet counts as all free (it has served no model);
+among those, the one sent fewer models wins. Then the others, fewest bytes
+to evict first (for a model of unknown size: most free bytes first). Ties
+keep a random order, so that equal replicas share the load.
 
 The free bytes are the router's estimate: what the replica last reported,
 less what the router has sent it since (``Ledger``).
@@ -62,9 +63,12 @@ def rank(
     def key(c: Candidate[R]) -> tuple[bool, float, int]:
         if c.free is None:  # nothing known: it has served no model
             return (True, math.inf, -c.sent)
-        free = sum(c.free.values())
-        fits = bool(size) and all(c.free.get(space, 0) >= n for space, n in (size or {}).items())
-        return (fits, free, -c.sent)
+        if not size:  # how big the model is is not known yet: the most free bytes
+            return (False, sum(c.free.values()), -c.sent)
+        short = sum(max(0, n - c.free.get(space, 0)) for space, n in size.items())
+        if short:  # the fewest bytes to evict, in the model's own spaces
+            return (False, -short, -c.sent)
+        return (True, sum(c.free.get(space, 0) - n for space, n in size.items()), -c.sent)
 
     others.sort(key=key, reverse=True)
     ranks = [first, [c.replica for c in others[:1]], [c.replica for c in others[1:]]]
