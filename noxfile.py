@@ -58,6 +58,15 @@ def torch(session: nox.Session) -> None:
 
 
 @nox.session
+def ray(session: nox.Session) -> None:
+    """cachebroker.ray on a local Ray cluster: its tests (``-- bench``: and the benchmark)."""
+    session.install("-e", ".[test,ray]")
+    session.run("pytest", "-q", "-m", "ray", "tests")
+    if "bench" in session.posargs:
+        session.run("python", "benchmarks/ray_serve.py")
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Run the benchmarks against the peers, in one process each."""
     session.install("-e", ".[bench,sim]")

@@ -248,7 +248,7 @@ async def test_a_request_cancelled_while_waiting_for_space_leaves_no_trace() -> 
         with anyio.CancelScope() as scope:
 
             async def leave() -> None:
-                await until(lambda: d.get_model.waiting_ids() == ["a"])
+                await until(lambda: d.get_model._waiting_ids() == ["a"])
                 await surface.reported(["big", "a"])  # asked for, waiting for space
                 scope.cancel()
 
@@ -256,7 +256,7 @@ async def test_a_request_cancelled_while_waiting_for_space_leaves_no_trace() -> 
             await d.handle("a")
         assert scope.cancelled_caught
         await surface.reported(["big"])
-        assert d.get_model.waiting_ids() == [] and replica.model_ids() == ["big"]
+        assert d.get_model._waiting_ids() == [] and replica.model_ids() == ["big"]
         assert d.loads == ["big"]
         hold.set()
 
@@ -272,7 +272,7 @@ async def test_a_request_cancelled_while_its_model_loads_leaves_no_trace() -> No
             await surface.reported(["a"])
             tg.cancel_scope.cancel()
         await surface.reported([])
-        assert replica.model_ids() == [] and d.get_model.waiting_ids() == []
+        assert replica.model_ids() == [] and d.get_model._waiting_ids() == []
         stats = await d.get_model.stats()
         assert stats.used == {"default": 0} and stats.loading == 0
 

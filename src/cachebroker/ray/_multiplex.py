@@ -204,7 +204,7 @@ class Models(Generic[T]):
 
     # ------------------------------------------------------------ acquiring
 
-    async def acquire(self, model_id: str | None, timeout: float | None = _UNSET) -> Lease[T]:
+    async def _acquire(self, model_id: str | None, timeout: float | None = _UNSET) -> Lease[T]:
         cache = self._cache
         replica = self._replica
         if cache is None or replica is None or replica.closed:
@@ -287,7 +287,7 @@ class Models(Generic[T]):
             return functools.partial(self._spec.func, model_id)
         return functools.partial(self._spec.func, self._instance, model_id)
 
-    async def release(self, model_id: str, model: T) -> None:
+    async def _release(self, model_id: str, model: T) -> None:
         """The cache's releaser: the loader's ``releaser``, or nothing."""
         func = self._spec.release_func
         if func is None:
@@ -299,7 +299,7 @@ class Models(Generic[T]):
 
     # ------------------------------------------------------------ what is held
 
-    def on_event(self, event: str, fields: Mapping[str, Any]) -> None:
+    def _on_event(self, event: str, fields: Mapping[str, Any]) -> None:
         """Follow this loader's entries through the broker's events."""
         if fields.get("cache") != self.name:
             return
@@ -339,34 +339,40 @@ class Models(Generic[T]):
         """The model ids loaded and ready in this replica, oldest load first."""
         return list(self._ready)
 
-    def ready_ids(self) -> list[str]:
+    def _ready_ids(self) -> list[str]:
         return list(self._ready)
 
-    def ready_charges(self) -> list[Mapping[str, int]]:
+    def _ready_charges(self) -> list[Mapping[str, int]]:
         return list(self._ready.values())
 
-    def ready_sizes(self) -> dict[str, dict[str, int]]:
+    def _ready_sizes(self) -> dict[str, dict[str, int]]:
         return {key: dict(charge) for key, charge in self._ready.items()}
 
-    def waiting_ids(self) -> list[str]:
+    def _waiting_ids(self) -> list[str]:
         """Model ids loading, or asked for by a request and not ready yet."""
         ids = dict.fromkeys(self._loading)
         ids.update((key, None) for key in self._asked if key not in self._ready)
         return list(ids)
 
-    def reported(self) -> list[str]:
+    def _reported(self) -> list[str]:
         """What Ray's router is told: ready, loading and asked-for model ids."""
-        return list(dict.fromkeys([*self._ready, *self.waiting_ids()]))
+        return list(dict.fromkeys([*self._ready, *self._waiting_ids()]))
 
     async def broker(self) -> Broker:
-        """The replica's broker (started if it was not)."""
+        """The replica's broker, started if it was not.
+
+        Cancellation: stops the wait; a start under way goes on.
+        """
         if self._replica is None or self._replica.closed:
             await self._open()
         assert self._replica is not None
         return await self._replica.broker()
 
     async def stats(self) -> Stats:
-        """``stats()`` of the replica's broker."""
+        """``stats()`` of the replica's broker.
+
+        Cancellation: nothing to undo.
+        """
         return await (await self.broker()).stats()
 
     def __repr__(self) -> str:
@@ -385,9 +391,17 @@ class ModelLease(Generic[T]):
         self._lease: Lease[T] | None = None
 
     async def __aenter__(self) -> T:
+        """Lease the model, loading it first if needed; the block gets the model.
+
+        Raises what ``Cache.acquire`` raises (``AcquireTimeout``,
+        ``RequestTooLarge``, the loader's exception, ...), ``InvalidArgument``
+        for a missing model id, ``BrokerClosed`` when the replica's broker
+        could not start. Cancellation: withdraws this request only (a load
+        other requests wait for goes on).
+        """
         if self._lease is not None:
             raise RuntimeError("a ModelLease can be entered once")
-        self._lease = await self._models.acquire(self._model_id, self._timeout)
+        self._lease = await self._models._acquire(self._model_id, self._timeout)
         return self._lease.value
 
     async def __aexit__(
@@ -396,11 +410,12 @@ class ModelLease(Generic[T]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """End the lease (one synchronous step: cancellation cannot stop it)."""
         if self._lease is not None:
             await self._lease.release()
 
     def __await__(self) -> Generator[Any, None, Lease[T]]:
-        return self._models.acquire(self._model_id, self._timeout).__await__()
+        return self._models._acquire(self._model_id, self._timeout).__await__()
 
 
 class _Decorator(Protocol):

@@ -216,7 +216,8 @@ async def shutdown() -> None:
     """Release every model of this replica through its releaser and stop its broker.
 
     For a deployment's ``async def __del__``; a replica that never served a
-    model has nothing to do. Idempotent.
+    model has nothing to do. Idempotent. Cancellation: stops the wait; the
+    closing goes on.
     """
     replica = _REPLICAS.get(_loop_key())
     if replica is not None:
@@ -488,15 +489,15 @@ class Replica:
     ) -> None:
         broker = self._broker
         assert broker is not None
-        broker.add_listener(models.on_event)
+        broker.add_listener(models._on_event)
         try:
-            async with broker.cache(models.name, models.release) as cache:
+            async with broker.cache(models.name, models._release) as cache:
                 self._models.append(models)
                 self._caches[models] = cache
                 task_status.started(cache)
                 await self._closing.wait()
         finally:
-            broker.remove_listener(models.on_event)
+            broker.remove_listener(models._on_event)
             self._caches.pop(models, None)
 
     # ------------------------------------------------------------ telling Ray
@@ -514,14 +515,14 @@ class Replica:
         """Model ids held, loading or asked for, over every loader, in first-seen order."""
         ids: dict[str, None] = {}
         for models in self._models:
-            ids.update(dict.fromkeys(models.reported()))
+            ids.update(dict.fromkeys(models._reported()))
         return list(ids)
 
     def routing_stats(self) -> dict[str, Any]:
         """What ``BrokerRouter`` routes by: free bytes and budget per space, held models' sizes."""
         sizes: dict[str, dict[str, int]] = {}
         for models in self._models:
-            sizes.update(models.ready_sizes())
+            sizes.update(models._ready_sizes())
         free: dict[str, int] = {}
         budget: dict[str, int] = {}
         if self._broker is not None and not self.closed:
@@ -675,9 +676,9 @@ class _Exporter:
         waiting: list[str] = []
         charges: list[Mapping[str, int]] = []
         for models in self._replica.loaders():
-            running.extend(models.ready_ids())
-            waiting.extend(models.waiting_ids())
-            charges.extend(models.ready_charges())
+            running.extend(models._ready_ids())
+            waiting.extend(models._waiting_ids())
+            charges.extend(models._ready_charges())
         stats = broker.stats_nowait()
         used = stats.broker_used if stats.broker_used is not None else stats.used
         tags = {

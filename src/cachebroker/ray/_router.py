@@ -80,6 +80,10 @@ class BrokerRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        """Ranks of replicas for ``pending_request`` (see the class); books a load where it goes.
+
+        Cancellation: nothing to undo (it does not await).
+        """
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
         model_id = pending_request.metadata.multiplexed_model_id if pending_request else ""
