@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
 pytestmark = [
@@ -25,8 +26,6 @@ def test_the_ray_recipe_serves_every_model_it_is_asked_for() -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    import ray
-
     ray.cloudpickle.register_pickle_by_value(module)
     try:
         spec.loader.exec_module(module)
