@@ -32,9 +32,17 @@ class FakeModel:
 
 
 def brokered(
-    sizes: Mapping[str, int], budget: int, load_seconds: float | Mapping[str, float]
+    sizes: Mapping[str, int],
+    budget: int,
+    load_seconds: float | Mapping[str, float],
+    journal: str | None = None,
 ) -> type:
-    """A deployment class whose models cachebroker budgets (``budget`` bytes per replica)."""
+    """A deployment class whose models cachebroker budgets (``budget`` bytes per replica).
+
+    ``journal``: a file each replica appends ``monotonic-time pid bytes-held``
+    to whenever what it holds changes (after a load, before its release is
+    acknowledged), so that a test can add up what replicas held at each instant.
+    """
     sizes = dict(sizes)
 
     class Brokered:
@@ -57,6 +65,7 @@ def brokered(
             self.peak = max(self.peak, sum(self.held.values()))
             self.loads[model_id] = self.loads.get(model_id, 0) + 1
             self.load_seconds += time.perf_counter() - started
+            self.record()
             return model
 
         @get_model.releaser
@@ -66,6 +75,13 @@ def brokered(
             model.released = True
             model.payload = bytearray()
             del self.held[model_id]
+            self.record()
+
+        def record(self) -> None:
+            if journal is not None:
+                line = f"{time.monotonic()} {self.pid} {sum(self.held.values())}\n"
+                with open(journal, "a") as file:  # (appends of a line are atomic)
+                    file.write(line)
 
         async def __call__(self, hold: float) -> dict[str, Any]:
             async with self.get_model() as model:

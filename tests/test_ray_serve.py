@@ -13,11 +13,13 @@ import os
 import random
 import signal
 import socket
+import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,13 +52,16 @@ def cluster() -> Iterator[int]:
     """A local Ray cluster with Serve on 127.0.0.1; yields the metrics export port."""
     metrics_port = free_port()
     ray.cloudpickle.register_pickle_by_value(ray_app)
+    # The replicas inherit this environment: no shared broker, no budget from it.
+    saved = {
+        name: os.environ.pop(name, None) for name in ("CACHEBROKER_ADDRESS", "CACHEBROKER_BUDGET")
+    }
     ray.init(
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
         _metrics_export_port=metrics_port,
         _system_config={"metrics_report_interval_ms": 1000},
-        runtime_env={"env_vars": {"CACHEBROKER_ADDRESS": "", "CACHEBROKER_BUDGET": ""}},
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
@@ -65,12 +70,12 @@ def cluster() -> Iterator[int]:
         serve.shutdown()
         ray.shutdown()
         ray.cloudpickle.unregister_pickle_by_value(ray_app)
+        os.environ.update({name: value for name, value in saved.items() if value is not None})
 
 
 def deploy(name: str, cls: type, **options: Any) -> Any:
-    app = serve.deployment(
-        num_replicas=2, max_ongoing_requests=32, ray_actor_options={"num_cpus": 0}, **options
-    )(cls).bind()
+    options.setdefault("ray_actor_options", {"num_cpus": 0})
+    app = serve.deployment(num_replicas=2, max_ongoing_requests=32, **options)(cls).bind()
     return serve.run(app, name=name, route_prefix=None)
 
 
@@ -162,6 +167,61 @@ def test_broker_router_sends_a_new_model_where_it_fits_without_eviction(cluster:
         assert result["pid"] == pid, (model_id, result)
         assert result["loads"] == dict.fromkeys(result["held"], 1), "a model was loaded twice"
     serve.delete("router")
+
+
+def test_co_located_replicas_share_the_machines_budget_through_cachebroker_serve(
+    cluster: int, tmp_path: Path
+) -> None:
+    address = str(tmp_path / "broker.sock")
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cachebroker",
+            "serve",
+            "--budget",
+            str(BUDGET),
+            "--socket",
+            address,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(address):
+            assert daemon.poll() is None and time.monotonic() < deadline, "the daemon did not start"
+            time.sleep(0.05)
+        # Each replica's own budget would hold 6 kB: together, 12 kB. Through
+        # the daemon they hold 6 kB between them.
+        journal = tmp_path / "held.log"
+        handle = deploy(
+            "shared",
+            ray_app.brokered(SIZES, BUDGET, load_seconds=0.01, journal=str(journal)),
+            ray_actor_options={
+                "num_cpus": 0,
+                "runtime_env": {"env_vars": {"CACHEBROKER_ADDRESS": address}},
+            },
+        )
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda m: call(handle, m, hold=0.01), trace(160, seed=3)))
+        assert not any(r["saw_released"] for r in results)
+        assert len({r["pid"] for r in results}) == 2, "both replicas served"
+        # What both replicas held at each instant (their journals, merged in time).
+        held: dict[str, int] = {}
+        most = 0
+        lines = sorted(journal.read_text().split("\n")[:-1], key=lambda ln: float(ln.split()[0]))
+        for line in lines:
+            _, pid, size = line.split()
+            held[pid] = int(size)
+            most = max(most, sum(held.values()))
+        assert len(held) == 2
+        assert most <= BUDGET, most
+        assert most > max(SIZES.values()), "the replicas held models at once"
+        serve.delete("shared")
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
 
 
 def test_a_replica_killed_mid_run_is_replaced_without_losing_requests_beyond_its_own(
