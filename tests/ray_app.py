@@ -31,6 +31,37 @@ class FakeModel:
         self.released = False
 
 
+class Books:
+    """What a replica of either deployment measures, and the answer to each request."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.held: dict[str, int] = {}  # models loaded and not freed: their bytes
+        self.peak = 0
+        self.loads: dict[str, int] = {}
+        self.load_seconds = 0.0
+        self.violations = 0  # models freed while a request used them
+        self.evicted_in_use: dict[int, int] = {}  # their bytes, until that request ends
+
+    def loaded(self, model_id: str, size: int, started: float) -> None:
+        self.held[model_id] = size
+        self.peak = max(self.peak, sum(self.held.values()) + sum(self.evicted_in_use.values()))
+        self.loads[model_id] = self.loads.get(model_id, 0) + 1
+        self.load_seconds += time.perf_counter() - started
+
+    def answer(self, saw_released: bool, reported: list[str]) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "saw_released": saw_released,
+            "held": dict(self.held),
+            "peak": self.peak,
+            "loads": dict(self.loads),
+            "load_seconds": self.load_seconds,
+            "violations": self.violations,
+            "reported": reported,
+        }
+
+
 def brokered(
     sizes: Mapping[str, int],
     budget: int,
@@ -45,15 +76,7 @@ def brokered(
     """
     sizes = dict(sizes)
 
-    class Brokered:
-        def __init__(self) -> None:
-            self.pid = os.getpid()
-            self.held: dict[str, int] = {}
-            self.peak = 0
-            self.loads: dict[str, int] = {}
-            self.load_seconds = 0.0
-            self.violations = 0
-
+    class Brokered(Books):
         @multiplexed(budget=budget, size=lambda model_id: sizes[model_id])
         async def get_model(self, model_id: str) -> FakeModel:
             started = time.perf_counter()
@@ -61,10 +84,7 @@ def brokered(
                 load_seconds if isinstance(load_seconds, float) else load_seconds[model_id]
             )
             model = FakeModel(model_id, sizes[model_id])
-            self.held[model_id] = sizes[model_id]
-            self.peak = max(self.peak, sum(self.held.values()))
-            self.loads[model_id] = self.loads.get(model_id, 0) + 1
-            self.load_seconds += time.perf_counter() - started
+            self.loaded(model_id, sizes[model_id], started)
             self.record()
             return model
 
@@ -91,22 +111,10 @@ def brokered(
                     saw_released = model.released
                 finally:
                     model.users -= 1
-            return self.books(saw_released)
+            return self.answer(saw_released, self.get_model.model_ids())
 
         async def record_routing_stats(self) -> dict[str, Any]:
             return routing_stats()
-
-        def books(self, saw_released: bool = False) -> dict[str, Any]:
-            return {
-                "pid": self.pid,
-                "saw_released": saw_released,
-                "held": dict(self.held),
-                "peak": self.peak,
-                "loads": dict(self.loads),
-                "load_seconds": self.load_seconds,
-                "violations": self.violations,
-                "reported": self.get_model.model_ids(),
-            }
 
     return Brokered
 
@@ -118,16 +126,7 @@ def counted(sizes: Mapping[str, int], max_models: int, load_seconds: Mapping[str
 
     sizes = dict(sizes)
 
-    class Counted:
-        def __init__(self) -> None:
-            self.pid = os.getpid()
-            self.held: dict[str, int] = {}
-            self.peak = 0
-            self.loads: dict[str, int] = {}
-            self.load_seconds = 0.0
-            self.violations = 0
-            self.evicted_in_use: dict[int, int] = {}
-
+    class Counted(Books):
         @by_count
         async def get_model(self, model_id: str) -> Any:
             started = time.perf_counter()
@@ -145,10 +144,7 @@ def counted(sizes: Mapping[str, int], max_models: int, load_seconds: Mapping[str
                         books.evicted_in_use[id(self)] = len(self.payload)
 
             model = Model(model_id, sizes[model_id])
-            self.held[model_id] = sizes[model_id]
-            self.peak = max(self.peak, sum(self.held.values()) + sum(self.evicted_in_use.values()))
-            self.loads[model_id] = self.loads.get(model_id, 0) + 1
-            self.load_seconds += time.perf_counter() - started
+            self.loaded(model_id, sizes[model_id], started)
             return model
 
         async def __call__(self, hold: float) -> dict[str, Any]:
@@ -161,15 +157,6 @@ def counted(sizes: Mapping[str, int], max_models: int, load_seconds: Mapping[str
                 model.users -= 1
                 if model.released and not model.users:
                     self.evicted_in_use.pop(id(model), None)
-            return {
-                "pid": self.pid,
-                "saw_released": saw_released,
-                "held": dict(self.held),
-                "peak": self.peak,
-                "loads": dict(self.loads),
-                "load_seconds": self.load_seconds,
-                "violations": self.violations,
-                "reported": [],
-            }
+            return self.answer(saw_released, [])
 
     return Counted
