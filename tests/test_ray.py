@@ -684,3 +684,26 @@ async def test_a_size_callable_that_raises_says_whose_it_was() -> None:
         assert "Sized.get_model's size callable for model 'zz'" in caught.value.__notes__[0]
         async with s.get_model("a") as model:  # nothing was left half-done
             assert model == "a"
+
+
+async def test_routing_stats_give_free_bytes_and_the_sizes_of_models_held_or_loading() -> None:
+    d = Deployment()
+    d.gates["b"] = gate = anyio.Event()
+    async with hosted(FakeSurface(), budget=10) as replica:
+        assert replica.routing_stats() == {
+            "cachebroker": {"free": {"default": 10}, "budget": {"default": 10}, "sizes": {}}
+        }
+        await d.handle("a")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(d.handle, "b")
+            await d.started["b"].wait()
+            # b's bytes are reserved while it loads: the router knows its size already
+            assert replica.routing_stats() == {
+                "cachebroker": {
+                    "free": {"default": 2},
+                    "budget": {"default": 10},
+                    "sizes": {"a": {"default": 4}, "b": {"default": 4}},
+                }
+            }
+            gate.set()
+    assert _replica.routing_stats()["cachebroker"]["sizes"] == {}  # no replica here now

@@ -182,7 +182,7 @@ class Models(Generic[T]):
         self.name = spec.name
         self._replica: _replica.Replica | None = None
         self._cache: Cache | None = None
-        self._loading: dict[str, None] = {}
+        self._loading: dict[str, dict[str, int]] = {}  # model id -> bytes reserved
         self._ready: dict[str, dict[str, int]] = {}
         self._asked: dict[str, int] = {}
 
@@ -307,7 +307,7 @@ class Models(Generic[T]):
         if not isinstance(key, str):
             return
         if event == ev.LOAD_START:
-            self._loading[key] = None
+            self._loading[key] = dict(fields.get("bytes") or {})
         elif event in (ev.LOAD_FAILED, ev.LOAD_CANCELLED):  # (told before the books)
             self._loading.pop(key, None)
         elif event in (ev.LOAD_DONE, ev.RELEASE_REQUESTED):  # (told after the books)
@@ -345,8 +345,9 @@ class Models(Generic[T]):
     def _ready_charges(self) -> list[Mapping[str, int]]:
         return list(self._ready.values())
 
-    def _ready_sizes(self) -> dict[str, dict[str, int]]:
-        return {key: dict(charge) for key, charge in self._ready.items()}
+    def _sizes(self) -> dict[str, dict[str, int]]:
+        """The bytes of each model held or loading (as reserved), for the router."""
+        return {**self._loading, **{key: dict(charge) for key, charge in self._ready.items()}}
 
     def _waiting_ids(self) -> list[str]:
         """Model ids loading, or asked for by a request and not ready yet."""

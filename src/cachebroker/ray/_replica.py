@@ -519,10 +519,14 @@ class Replica:
         return list(ids)
 
     def routing_stats(self) -> dict[str, Any]:
-        """What ``BrokerRouter`` routes by: free bytes and budget per space, held models' sizes."""
+        """What ``BrokerRouter`` routes by: free bytes and budget per space, models' sizes.
+
+        ``sizes`` has the models held and those loading (their reserved bytes,
+        which ``free`` already leaves out).
+        """
         sizes: dict[str, dict[str, int]] = {}
         for models in self._models:
-            sizes.update(models._ready_sizes())
+            sizes.update(models._sizes())
         free: dict[str, int] = {}
         budget: dict[str, int] = {}
         if self._broker is not None and not self.closed:
