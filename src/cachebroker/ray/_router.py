@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from ray.serve.request_router import (
@@ -30,6 +31,9 @@ SENT_FOR = 10.0
 #: go to another one (and load the model there): Serve's own multiplexed
 #: matching timeout.
 HOLDER_WAIT = 1.0
+#: How many model sizes the router remembers (the most recently reported):
+#: a model no replica holds is placed by its size, if the router still knows it.
+SIZES_KEPT = 10_000
 
 
 class BrokerRouter(RequestRouter):
@@ -49,8 +53,14 @@ class BrokerRouter(RequestRouter):
     taken from that replica's free bytes, until the replica's own stats show
     it. So a burst of requests for models no replica holds yet spreads by
     bytes, and loads each model once. A request whose model's holders are all
-    busy waits for them up to ``holder_wait_s`` (1 s) before it may go to
-    another replica and load the model there.
+    busy waits for them up to ``holder_wait_s`` (1 s, counted from its first
+    routing attempt) before it may go to another replica and load the model
+    there. A model the router has never seen held counts, in its account, as
+    the mean size of the models it knows.
+
+    Stats that are not ``cachebroker.ray.routing_stats()``'s shape (a
+    deployment's own ``record_routing_stats`` returning something else)
+    count as no stats.
 
     Each request goes to the replica chosen for it (Serve's default router
     hands a chosen replica to the oldest waiting request instead, which
@@ -72,7 +82,9 @@ class BrokerRouter(RequestRouter):
             raise ValueError(f"holder_wait_s must be seconds >= 0, got {holder_wait_s!r}")
         self._holder_wait = float(holder_wait_s)
         self._ledger = Ledger(expire=SENT_FOR)
-        self._sizes: dict[str, dict[str, int]] = {}
+        self._sizes: dict[str, dict[str, int]] = {}  # oldest report first
+        self._size_totals: dict[str, int] = {}  # over self._sizes, per space
+        self._size_counts: dict[str, int] = {}
         self._budget: dict[str, int] = {}
 
     async def choose_replicas(
@@ -87,8 +99,12 @@ class BrokerRouter(RequestRouter):
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
         model_id = pending_request.metadata.multiplexed_model_id if pending_request else ""
-        if not model_id:
+        if pending_request is None or not model_id:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        context = pending_request.routing_context
+        started = context.multiplexed_start_matching_time
+        if started is None:  # its first routing attempt: the wait for holders starts
+            started = context.multiplexed_start_matching_time = time.time()
         now = time.monotonic()
         candidates = [self._candidate(replica, now) for replica in candidate_replicas]
         holders = self._ledger.holders(model_id, now)
@@ -101,33 +117,53 @@ class BrokerRouter(RequestRouter):
         held = bool(ranks) and any(
             model_id in r.multiplexed_model_ids or r.replica_id in holders for r in ranks[0]
         )
-        if held and pending_request is not None:
-            if time.time() - pending_request.created_at < self._holder_wait:
+        if held:
+            if time.time() - started < self._holder_wait:
                 return ranks[:1]  # busy holders: wait for them (with backoff) rather than load
             return ranks
         if ranks and not any(model_id in r.multiplexed_model_ids for r in ranks[0]):
             # A load: book it where it goes first, so that the next request
             # (routed before this one lands) sees it there.
-            self._book(ranks[0][0].replica_id, model_id, now)
+            self._book(ranks[0][0].replica_id, model_id, now, routed=False)
         return ranks
 
     def _candidate(self, replica: RunningReplica, now: float) -> Candidate[RunningReplica]:
-        stats = (replica.routing_stats or {}).get(ROUTING_KEY) or {}
-        sizes = stats.get("sizes") or {}
-        self._sizes.update(sizes)
-        for space, n in (stats.get("budget") or {}).items():
+        free, budget, sizes = _read_stats(replica.routing_stats)
+        for model_id, size in sizes.items():
+            self._remember(model_id, size)
+        for space, n in budget.items():
             self._budget[space] = max(n, self._budget.get(space, 0))
         replica_id = replica.replica_id
         self._ledger.settle(replica_id, replica.multiplexed_model_ids, sizes, now)
         return Candidate(
             replica,
             replica.multiplexed_model_ids,
-            self._ledger.free(replica_id, stats.get("free"), self._budget),
+            self._ledger.free(replica_id, free, self._budget),
             self._ledger.count(replica_id),
         )
 
-    def _book(self, replica_id: ReplicaID, model_id: str, now: float) -> None:
-        self._ledger.sent(replica_id, model_id, self._sizes.get(model_id, {}), now)
+    def _remember(self, model_id: str, size: dict[str, int]) -> None:
+        """Keep ``size`` as ``model_id``'s, the most recent of ``SIZES_KEPT``."""
+        self._count_size(self._sizes.pop(model_id, None), -1)
+        self._sizes[model_id] = size
+        self._count_size(size, 1)
+        if len(self._sizes) > SIZES_KEPT:
+            self._count_size(self._sizes.pop(next(iter(self._sizes))), -1)
+
+    def _count_size(self, size: Mapping[str, int] | None, sign: int) -> None:
+        for space, n in (size or {}).items():
+            self._size_totals[space] = self._size_totals.get(space, 0) + sign * n
+            self._size_counts[space] = self._size_counts.get(space, 0) + sign
+
+    def _book(self, replica_id: ReplicaID, model_id: str, now: float, *, routed: bool) -> None:
+        size = self._sizes.get(model_id)
+        if size is None:  # never seen held: the mean of the sizes known, in their spaces
+            size = {
+                space: total // count
+                for space, total in self._size_totals.items()
+                if (count := self._size_counts[space])
+            }
+        self._ledger.sent(replica_id, model_id, size, now, routed=routed)
 
     def on_request_routed(
         self,
@@ -138,8 +174,42 @@ class BrokerRouter(RequestRouter):
         model_id = pending_request.metadata.multiplexed_model_id
         replica = self.curr_replicas.get(replica_id)
         if model_id and (replica is None or model_id not in replica.multiplexed_model_ids):
-            self._book(replica_id, model_id, time.monotonic())  # where it really went
+            self._book(replica_id, model_id, time.monotonic(), routed=True)  # where it went
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._ledger.forget(replica_id)
+
+
+def _read_stats(
+    raw: object,
+) -> tuple[dict[str, int] | None, dict[str, int], dict[str, dict[str, int]]]:
+    """A replica's free bytes, budget and held models' sizes, from its routing stats.
+
+    Serve hands the router whatever the deployment's ``record_routing_stats``
+    returned: what is not ``routing_stats()``'s shape counts as not reported
+    (free bytes: ``None``), rather than failing the routing of every request.
+    """
+    stats = raw.get(ROUTING_KEY) if isinstance(raw, Mapping) else None
+    if not isinstance(stats, Mapping):
+        return None, {}, {}
+    sizes: dict[str, dict[str, int]] = {}
+    reported = stats.get("sizes")
+    if isinstance(reported, Mapping):
+        for model_id, size in reported.items():
+            checked = _bytes_per_space(size)
+            if isinstance(model_id, str) and checked is not None:
+                sizes[model_id] = checked
+    return _bytes_per_space(stats.get("free")), _bytes_per_space(stats.get("budget")) or {}, sizes
+
+
+def _bytes_per_space(value: object) -> dict[str, int] | None:
+    """``value`` if it maps space names to byte counts (ints >= 0), else ``None``."""
+    if not isinstance(value, Mapping):
+        return None
+    checked: dict[str, int] = {}
+    for space, n in value.items():
+        if not isinstance(space, str) or isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            return None
+        checked[space] = n
+    return checked

@@ -79,6 +79,7 @@ def rank(
 class _Sent:
     size: Mapping[str, int]
     when: float
+    routed: bool = False  # the request went there (not only chosen for it)
     shown: bool = False  # the replica's model ids include it
 
 
@@ -89,18 +90,40 @@ class Ledger:
     did not report it. Until the replica's model ids include it, the replica
     counts as its holder (``holders``); until its stats list the model (they
     are polled, so they come later), its size counts as taken from the
-    replica's free bytes (``free``). An entry leaves after ``expire`` seconds
-    in any case.
+    replica's free bytes (``free``). Stats that list the model before its
+    model ids show it are older than the booking (the replica released it
+    since): they count its bytes, and the entry stays for ``holders`` until
+    the model ids show it. An entry leaves after ``expire`` seconds in any case.
+
+    A booking only chosen for a request moves when the model is booked on
+    another replica (the request went there instead); one ``routed`` there
+    (the request did go there) stays: the replica loads the model.
     """
 
     def __init__(self, expire: float = 10.0) -> None:
         self.expire = expire
         self._sent: dict[Hashable, dict[str, _Sent]] = {}
 
-    def sent(self, replica: Hashable, model_id: str, size: Mapping[str, int], now: float) -> None:
-        for other in self._sent.values():  # one replica at a time holds a model just sent
-            other.pop(model_id, None)
-        self._sent.setdefault(replica, {})[model_id] = _Sent(dict(size), now)
+    def sent(
+        self,
+        replica: Hashable,
+        model_id: str,
+        size: Mapping[str, int],
+        now: float,
+        *,
+        routed: bool = False,
+    ) -> None:
+        for other, models in list(self._sent.items()):
+            entry = models.get(model_id)
+            if entry is not None and (other == replica or not entry.routed):
+                del models[model_id]  # (chosen there but gone elsewhere, or booked anew)
+            # Expired entries of replicas no longer settled (gone, or never
+            # asked about) leave too; each replica's are in booking order.
+            while models and now - next(iter(models.values())).when >= self.expire:
+                del models[next(iter(models))]
+            if not models:
+                del self._sent[other]
+        self._sent.setdefault(replica, {})[model_id] = _Sent(dict(size), now, routed)
 
     def holders(self, model_id: str, now: float) -> list[Hashable]:
         found = []
@@ -125,10 +148,19 @@ class Ledger:
         if not models:
             return
         for model_id, entry in list(models.items()):
-            if model_id in stats_sizes or now - entry.when >= self.expire:
+            if now - entry.when >= self.expire:
                 del models[model_id]
-            elif model_id in model_ids:
+                continue
+            if model_id in model_ids:
                 entry.shown = True
+            if model_id in stats_sizes:
+                if entry.shown:
+                    del models[model_id]
+                else:
+                    # Stats older than the booking (the replica held the model,
+                    # released it, and is sent it again): they count its bytes
+                    # already, but the replica is its holder still.
+                    entry.size = {}
 
     def free(
         self,
