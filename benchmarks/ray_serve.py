@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, rs in runs.items()
         },
     }
-    if args.json:
-        print(json.dumps(report, indent=2))
+    if args.json:  # one line, the last (Ray's own messages may come before it)
+        print(json.dumps(report))
         return 0
     print(
         f"{len(trace)} requests over {len(sizes)} models, 2 replicas; budget "
