@@ -638,6 +638,14 @@ def test_bad_arguments_fail_at_decoration() -> None:
         multiplexed(idle_ttl=-1)(load)
     with pytest.raises(InvalidArgument, match="cost"):
         multiplexed(cost=-1)(load)
+    with pytest.raises(InvalidArgument, match="size"):
+        multiplexed(size="four gigs")(load)
+    with pytest.raises(InvalidArgument, match=r"size\['gpu'\]"):
+        multiplexed(size={"gpu": -1})(load)
+    with pytest.raises(InvalidArgument, match="space"):
+        multiplexed(size={"": 1})(load)
+    with pytest.raises(TypeError, match="size"):
+        multiplexed(size=True)(load)
     with pytest.raises(TypeError, match="measure"):
         multiplexed(measure=3)(load)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="model id"):

@@ -142,15 +142,27 @@ class FakeClock:
 
 
 @pytest.fixture
-def router_module() -> ModuleType:
+def router_globals(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The global namespaces BrokerRouter's methods read ``time`` and ``SIZES_KEPT`` from.
+
+    Serve ships a custom router by value (cloudpickle), and unpickling it in
+    this process gives the class's methods namespaces of their own: after a
+    Ray test here, patching the module is not enough.
+    """
     module: ModuleType = pytest.importorskip("cachebroker.ray._router")  # (needs Ray Serve)
-    return module
+    spaces = {id(module.__dict__): module.__dict__}
+    for member in vars(module.BrokerRouter).values():
+        namespace = getattr(member, "__globals__", None)
+        if namespace is not None:
+            spaces[id(namespace)] = namespace
+    return list(spaces.values())
 
 
 @pytest.fixture
-def clock(router_module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+def clock(router_globals: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(router_module, "time", fake)
+    for namespace in router_globals:
+        monkeypatch.setitem(namespace, "time", fake)
     return fake
 
 
@@ -359,9 +371,10 @@ async def test_a_burst_of_models_never_seen_spreads_by_their_estimated_bytes(
 @ASYNCIO
 @pytest.mark.anyio
 async def test_the_router_remembers_a_bounded_number_of_model_sizes(
-    clock: FakeClock, router_module: ModuleType, monkeypatch: pytest.MonkeyPatch
+    clock: FakeClock, router_globals: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(router_module, "SIZES_KEPT", 50)
+    for namespace in router_globals:
+        monkeypatch.setitem(namespace, "SIZES_KEPT", 50)
     a = replica("a", free={"gpu": 100})
     router = make_router(a)
     for batch in range(40):  # 400 distinct models held over time, 10 at a time

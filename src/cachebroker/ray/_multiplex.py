@@ -24,6 +24,7 @@ from .._core import State
 from .._errors import InvalidArgument
 from .._shell import Broker, Cache, Lease
 from .._shell._config import non_negative_seconds, positive_seconds
+from .._sizes import parse_bytes
 from .._stats import Stats
 from . import _replica
 
@@ -100,6 +101,8 @@ class Multiplexed(Generic[T]):
         if not isinstance(self.name, str) or not self.name:
             raise InvalidArgument(f"name must be a non-empty string, got {name!r}")
         self.broker_options = dict(broker_options)
+        if size is not None and not callable(size):
+            _check_size(size)
         self.size = size
         self.measure = measure
         self.cost = cost
@@ -517,6 +520,17 @@ def multiplexed(
     if func is not None:
         return decorate(func)
     return decorate
+
+
+def _check_size(size: object) -> None:
+    """A fixed ``size``'s quantities, checked (its spaces are the budget's: checked at use)."""
+    if isinstance(size, Mapping):
+        for space, amount in size.items():
+            if not isinstance(space, str) or not space:
+                raise InvalidArgument(f"size: a space is a non-empty string, got {space!r}")
+            parse_bytes(amount, what=f"size[{space!r}]")
+    else:
+        parse_bytes(size, what="size")
 
 
 def _check_broker_options(options: Mapping[str, Any]) -> None:
