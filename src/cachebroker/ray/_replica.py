@@ -304,8 +304,7 @@ class _Hosting:
     ) -> bool:
         assert self._replica is not None and self._tg is not None
         try:
-            self._replica.closed = True
-            self._replica._closing.set()
+            self._replica.stop()  # (its task is in the group, which waits for it)
             return await exit_task_group(self._tg, exc_type, exc, tb)
         finally:
             self._forget()
@@ -441,10 +440,14 @@ class Replica:
             self._emit("warning", ev.RAY_REPORT_FAILED, to="metrics", error=repr(exc))
             return None
 
-    async def close(self) -> None:
-        """Close every cache (releasing its models), then the broker."""
+    def stop(self) -> None:
+        """Begin closing: every cache closes (releasing its models), then the broker."""
         self.closed = True
         self._closing.set()
+
+    async def close(self) -> None:
+        """Close every cache (releasing its models), then the broker; await the end."""
+        self.stop()
         if self._task is not None or self._started.is_set():
             await self._stopped.wait()
 
