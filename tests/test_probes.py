@@ -221,9 +221,11 @@ async def test_system_memory_keeps_real_available_memory_above_headroom() -> Non
                 allowed = max(allowed, broker._core.spaces["ram"].capacity)
                 assert sum(len(b) for b in live.values()) <= allowed
         stats = await broker.stats()
-    # 800 MiB allowed at the start; other processes may free some meanwhile,
-    # but never the 1,200 MiB that six buffers need.
-    assert stats.evictions >= 1
+    # 800 MiB allowed at the start: six buffers (1,200 MiB) need an eviction,
+    # unless other processes freed 400 MiB meanwhile (seen in CI, as an
+    # earlier test's processes ended) and the budget followed them there.
+    if allowed < 6 * 200 * MiB:
+        assert stats.evictions >= 1
     # Allow for the rest of the machine moving by up to 190 MiB meanwhile
     # (less than one buffer, so overshooting by a buffer still fails), and for
     # what other processes took on top of that (measured: not this process's).
