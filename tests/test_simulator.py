@@ -6,8 +6,10 @@ import io
 import itertools
 import json
 import re
+import sys
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +20,7 @@ from cachebroker.simulator import (
     POLICIES,
     Request,
     TraceError,
+    _cli,
     builtin_workload,
     figure,
     offline_bound,
@@ -250,6 +253,31 @@ def test_optimum_is_never_above_any_policy(
         )
 
 
+@pytest.mark.parametrize("time_limit", [0.02, 0.1])
+@pytest.mark.parametrize(("seed", "budget"), [(1, BUDGETS[0]), (2, BUDGETS[1])])
+def test_a_time_limited_optimum_brackets_the_exact_one(
+    seed: int, budget: int, time_limit: float
+) -> None:
+    # Cut short, the MILP reports its proven bound and the best solution it
+    # found (or, having proved nothing, the LP): the optimum is inside.
+    trace = builtin_workload(seed, requests=3000)
+    exact = offline_bound(trace, {"default": budget}, time_limit=120)
+    assert exact.method == "exact" and exact.upper_seconds == exact.reload_seconds
+    assert exact.gap == 0.0
+    cut = offline_bound(trace, {"default": budget}, time_limit=time_limit)
+    assert cut.reload_seconds <= exact.reload_seconds + 1e-6
+    if cut.upper_seconds is not None:
+        assert cut.upper_seconds >= exact.reload_seconds - 1e-6
+        assert cut.gap is not None and 0.0 <= cut.gap < 1.0
+    else:
+        assert cut.method in ("lp", "milp-bound") and cut.gap is None
+
+
+def test_the_lp_has_no_bracket() -> None:
+    relaxed = offline_bound(spaced("ABCDABCE" * 3), {"default": 30}, exact_limit=0)
+    assert relaxed.method == "lp" and relaxed.upper_seconds is None and relaxed.gap is None
+
+
 def test_optimum_with_several_spaces() -> None:
     trace = [
         Request(time=0, key="a", size={"ram": 10}, load_seconds=1),
@@ -344,8 +372,21 @@ def test_cli_json_output(trace_file: Path, capsys: pytest.CaptureFixture[str]) -
         assert key in first
     assert (first["policy"], first["budget"], first["requests"]) == ("lru", 20, 10)
     assert first["bound_method"] == "exact"
+    assert first["bound_upper_reload_seconds"] == first["bound_reload_seconds"]
     assert first["waited_requests"] == 0
     assert all(r["bound_reload_seconds"] <= r["reload_seconds"] for r in results)
+
+
+def test_cli_notes_give_a_cut_short_optimums_bracket(capsys: pytest.CaptureFixture[str]) -> None:
+    trace = builtin_workload(1, requests=3000)
+    comparisons = simulate(trace, [BUDGETS[0]], ("lru",), bound_time_limit=0.02)
+    bound = comparisons[0].bound
+    assert bound is not None
+    cut = attrs.evolve(bound, method="milp-bound", upper_seconds=bound.reload_seconds * 1.25)
+    _cli._print_notes([attrs.evolve(comparisons[0], bound=cut)], sys.stdout)
+    note = capsys.readouterr().out
+    assert "the optimum lies between it and the best schedule found" in note
+    assert f"{cut.upper_seconds:,.0f} s (20.0% above)" in note
 
 
 def test_cli_json_rounds_seconds_and_ratios(capsys: pytest.CaptureFixture[str]) -> None:

@@ -220,6 +220,11 @@ def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
                     "mean_wait_seconds": _seconds(result.mean_wait),
                     "p99_wait_seconds": _seconds(result.p99_wait),
                     "bound_reload_seconds": optimum,
+                    "bound_upper_reload_seconds": (
+                        None
+                        if bound is None or bound.upper_seconds is None
+                        else _seconds(bound.upper_seconds)
+                    ),
                     "bound_method": None if bound is None else bound.method,
                 }
             )
@@ -343,13 +348,23 @@ def _print_table(comparisons: list[Comparison], source: str, requests: int, out:
 def _print_notes(comparisons: list[Comparison], out: IO[str]) -> None:
     methods = {c.bound.method for c in comparisons if c.bound is not None}
     if "milp-bound" in methods:
+        brackets = [
+            f"{c.label} {c.bound.upper_seconds:,.0f} s ({100 * (c.bound.gap or 0):.1f}% above)"
+            for c in comparisons
+            if c.bound is not None
+            and c.bound.method == "milp-bound"
+            and c.bound.upper_seconds is not None
+        ]
         print(
-            "bound (milp): the solver hit --bound-time-limit; the figure is its proven lower bound",
+            "bound (milp): the solver hit --bound-time-limit; the figure is its proven lower "
+            "bound, and the optimum lies between it and the best schedule found"
+            + (": " + ", ".join(brackets) if brackets else " (none found in time)"),
             file=out,
         )
     if "lp" in methods:
         print(
-            "bound (lp): the LP relaxation, a lower bound (the trace is too long for the MILP)",
+            "bound (lp): the LP relaxation, a lower bound, looser (the trace is too long for "
+            "the MILP, or it proved nothing within --bound-time-limit)",
             file=out,
         )
     under = [
