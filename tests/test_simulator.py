@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachebroker import InvalidArgument
 from cachebroker.__main__ import main
 from cachebroker.simulator import (
     BUDGETS,
@@ -336,7 +337,7 @@ def test_plot_is_written(tmp_path: Path) -> None:
 def test_figure_draws_reloads_hit_ratio_and_waits_under_a_title() -> None:
     # A is held 10 s after its 1 s load; B needs A's room and waits 9 s.
     trace = [req(0, "A", load=1, hold=10), req(2, "B", load=1)]
-    comparisons = simulate(trace, [10, 20], ["lru", "cost"])
+    comparisons = simulate(trace, [10, 20], ["lru", "cost"], timing="replay")
     drawn = figure(comparisons, title="t.csv: 2 requests")
     assert drawn.get_suptitle() == "t.csv: 2 requests"
     reloads, ratios, waits = drawn.axes
@@ -551,7 +552,7 @@ def test_requests_that_wait_can_come_in_under_the_optimum_and_the_table_says_so(
     assert (result.misses, result.reload_seconds, result.waited) == (2, 2.0, 2)
     assert offline_bound(trace, {"default": 20}).reload_seconds == 4.0
     out = io.StringIO()
-    _print_table(simulate(trace, [20], ["lru"]), "t.csv", 4, out)
+    _print_table(simulate(trace, [20], ["lru"], timing="replay"), "t.csv", 4, out)
     assert "the optimum assumes no request waits for space" in out.getvalue()
     assert "lru at 20 B" in out.getvalue()
 
@@ -578,6 +579,71 @@ def test_optimum_is_never_above_a_policy_under_which_no_request_waited(
         result = replay(trace, {"default": budget}, policy)
         if result.waited == 0:
             assert bound <= result.reload_seconds + 1e-6, policy
+
+
+@settings(deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 5), min_size=1, max_size=40),
+    gaps=st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0, 10.0]), min_size=40, max_size=40),
+    holds=st.lists(st.sampled_from([0.0, 2.0, 20.0]), min_size=40, max_size=40),
+    sizes=st.lists(st.integers(1, 40), min_size=6, max_size=6),
+    loads=st.lists(st.floats(0.1, 8), min_size=6, max_size=6),
+    budget=st.integers(40, 100),
+)
+def test_under_sequential_timing_the_optimum_is_below_every_policy(
+    keys: list[int],
+    gaps: list[float],
+    holds: list[float],
+    sizes: list[int],
+    loads: list[float],
+    budget: int,
+) -> None:
+    # Whatever the arrivals, loads and holds: sequential timing is the
+    # optimum's own model, so no request waits and no policy beats it.
+    trace, now = [], 0.0
+    for key, gap, hold in zip(keys, gaps, holds, strict=False):
+        now += gap
+        trace.append(req(now, f"k{key}", size=sizes[key], load=loads[key], hold=hold))
+    bound = offline_bound(trace, {"default": budget}).reload_seconds
+    for policy in POLICIES:
+        result = replay(trace, {"default": budget}, policy, timing="sequential")
+        assert result.waited == 0 and result.mean_wait == 0.0, policy
+        assert bound <= result.reload_seconds + 1e-6, policy
+
+
+def test_sequential_timing_serves_each_request_before_the_next() -> None:
+    # Under the clock, B arrives while A's 5 s load runs and joins nothing:
+    # with room for one, it waits; sequentially A is loaded (and its lease
+    # over) before B arrives, so B evicts it and A's return reloads it.
+    trace = [
+        req(0, "A", size=10, load=5, hold=1),
+        req(1, "B", size=10, load=5),
+        req(2, "A", load=5),
+    ]
+    timed = replay(trace, {"default": 10}, "lru")
+    sequential = replay(trace, {"default": 10}, "lru", timing="sequential")
+    assert timed.waited >= 1
+    assert (sequential.misses, sequential.reload_seconds, sequential.waited) == (3, 15.0, 0)
+    with pytest.raises(InvalidArgument, match="timing must be one of sequential, replay"):
+        replay(trace, {"default": 10}, "lru", timing="virtual")  # type: ignore[arg-type]
+
+
+def test_cli_timing_decides_the_columns_and_says_what_the_optimum_is(
+    trace_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--trace", str(trace_file), "--budget", "20"]) == 0
+    sequential = capsys.readouterr().out
+    assert "sequential timing" in sequential and "vs optimum" in sequential
+    assert "wait mean" not in sequential
+    assert (
+        main(["simulate", "--trace", str(trace_file), "--budget", "20", "--timing", "replay"]) == 0
+    )
+    timed = capsys.readouterr().out
+    assert "replay timing" in timed and "wait mean" in timed
+    assert "vs optimum" not in timed and "not a bound of these figures" in timed
+    args = ["simulate", "--trace", str(trace_file), "--budget", "20", "--json"]
+    assert main([*args, "--timing", "replay"]) == 0
+    assert {row["timing"] for row in json.loads(capsys.readouterr().out)} == {"replay"}
 
 
 def test_read_trace_accepts_a_byte_order_mark_and_crlf(tmp_path: Path) -> None:

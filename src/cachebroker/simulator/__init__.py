@@ -31,7 +31,8 @@ from .._units import DEFAULT_SPACE as _DEFAULT_SPACE
 from .._units import format_bytes
 from ._csv import COLUMNS, TraceError, parse_trace, read_trace
 from ._optimum import Bound, offline_bound
-from ._replay import ReplayResult, replay
+from ._replay import TIMINGS, ReplayResult, replay
+from ._replay import Timing as _Timing
 from ._request import Request
 from ._workload import BUDGETS, CATALOGUE, builtin_workload
 
@@ -43,6 +44,7 @@ __all__ = (
     "CATALOGUE",
     "COLUMNS",
     "POLICIES",
+    "TIMINGS",
     "Bound",
     "Comparison",
     "ReplayResult",
@@ -71,11 +73,14 @@ class Comparison:
         budget: Bytes per space.
         results: One ``ReplayResult`` per policy, in the order asked for.
         bound: The offline optimum or a lower bound on it (``None`` if not computed).
+        timing: How the policies were replayed: ``"sequential"`` (the
+            optimum's model) or ``"replay"`` (the virtual clock).
     """
 
     budget: Mapping[str, int]
     results: tuple[ReplayResult, ...]
     bound: Bound | None = None
+    timing: _Timing = "sequential"
 
     @property
     def label(self) -> str:
@@ -131,6 +136,7 @@ def simulate(
     policies: Sequence[str] = POLICIES,
     *,
     idle_ttl: float | None = None,
+    timing: _Timing = "sequential",
     bound: bool = True,
     bound_time_limit: float = 30.0,
     progress: Callable[[str], None] | None = None,
@@ -143,6 +149,10 @@ def simulate(
             space to either for several.
         policies: Names of built-in policies.
         idle_ttl: Release entries idle this many seconds (virtual time).
+        timing: ``"sequential"`` (loads take no time and leases end at once:
+            the offline optimum's model, so it is a lower bound of every
+            policy) or ``"replay"`` (the virtual clock with load times and
+            holds, where requests may wait for space).
         bound: Compute the offline optimum at each budget (needs scipy).
         bound_time_limit: Seconds the MILP may take per budget before its best
             proven bound is reported instead.
@@ -165,13 +175,15 @@ def simulate(
         for name in names:
             if progress is not None:
                 progress(f"{name} at {_budget_label(budget)}")
-            results.append(replay(requests, budget, name, idle_ttl=idle_ttl))
+            results.append(replay(requests, budget, name, idle_ttl=idle_ttl, timing=timing))
         optimum = None
         if bound:
             if progress is not None:
                 progress(f"optimum at {_budget_label(budget)}")
             optimum = offline_bound(requests, budget, time_limit=bound_time_limit)
-        comparisons.append(Comparison(budget=budget, results=tuple(results), bound=optimum))
+        comparisons.append(
+            Comparison(budget=budget, results=tuple(results), bound=optimum, timing=timing)
+        )
     return comparisons
 
 

@@ -9,6 +9,11 @@ owners acknowledge releases at once.
 At one instant, completions come first: loads that finish and leases that
 end at time t are applied before the requests arriving at t. A request with
 ``hold_seconds=0`` ends its lease right after it is granted.
+
+``timing="sequential"`` is the classic model instead, the one the offline
+optimum solves: a load takes no time and a lease ends at once, so each
+request is served before the next arrives and none waits for space. The
+reload seconds still count each miss's ``load_seconds``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, assert_never
+from typing import Any, Final, Literal, assert_never
 
 import attrs
 
@@ -39,7 +44,13 @@ from .._errors import InvalidArgument
 from .._policies import Policy, make_policy
 from ._request import Request, check_fits, where
 
-__all__ = ["ReplayResult", "Request", "replay"]
+__all__ = ["TIMINGS", "ReplayResult", "Request", "Timing", "replay"]
+
+Timing = Literal["sequential", "replay"]
+#: The timing models: ``"sequential"`` (loads take no time, leases end at
+#: once: the offline optimum's model) and ``"replay"`` (the virtual clock,
+#: with load times and holds).
+TIMINGS: Final[tuple[Timing, ...]] = ("sequential", "replay")
 
 
 @attrs.frozen(kw_only=True)
@@ -103,13 +114,21 @@ def replay(
     policy: str | Policy,
     *,
     idle_ttl: float | None = None,
+    timing: Timing = "replay",
 ) -> ReplayResult:
     """Replay ``requests`` (sorted by time) and return the totals.
 
+    ``timing``: ``"replay"`` (loads take their ``load_seconds``, leases their
+    ``hold_seconds``) or ``"sequential"`` (both take no time; see the module
+    docstring).
+
     Raises:
         InvalidArgument: a request is larger than its space's whole budget, or
-            names a space the budget does not have.
+            names a space the budget does not have; an unknown ``timing``.
     """
+    if timing not in TIMINGS:
+        raise InvalidArgument(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
+    timed = timing == "replay"
     check_fits(requests, budget)
     name = policy if isinstance(policy, str) else type(policy).__name__
     core = Core(budget, make_policy(policy), idle_ttl=idle_ttl)
@@ -142,7 +161,8 @@ def replay(
                             waits[number] = now - since
                         shell.started = True
                         loaded += sum(entry.charge.values())
-                        push(pending, (now + shell.load_seconds, next(order), entry))
+                        took = shell.load_seconds if timed else 0.0
+                        push(pending, (now + took, next(order), entry))
                     case StartRelease(entry, _):
                         core.release_done(entry)
                     case Settled(entry):
@@ -159,7 +179,7 @@ def replay(
                         assert_never(effect)
 
     def end(entry: Entry, task: int, hold: float) -> None:
-        if hold:
+        if hold and timed:
             push(pending, (now + hold, next(order), (entry, task)))
         else:
             core.lease_end(entry, task, now)
