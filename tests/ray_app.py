@@ -49,6 +49,17 @@ class Books:
         self.loads[model_id] = self.loads.get(model_id, 0) + 1
         self.load_seconds += time.perf_counter() - started
 
+    async def use(self, model: FakeModel, hold: float) -> bool:
+        """Use ``model`` for ``hold`` seconds, as a request does: was it released meanwhile?"""
+        model.users += 1
+        try:
+            await asyncio.sleep(hold)
+            return model.released
+        finally:
+            model.users -= 1
+            if model.released and not model.users:
+                self.evicted_in_use.pop(id(model), None)
+
     def answer(self, saw_released: bool, reported: list[str]) -> dict[str, Any]:
         return {
             "pid": self.pid,
@@ -105,12 +116,7 @@ def brokered(
 
         async def __call__(self, hold: float) -> dict[str, Any]:
             async with self.get_model() as model:
-                model.users += 1
-                try:
-                    await asyncio.sleep(hold)
-                    saw_released = model.released
-                finally:
-                    model.users -= 1
+                saw_released = await self.use(model, hold)
             return self.answer(saw_released, self.get_model.model_ids())
 
         async def record_routing_stats(self) -> dict[str, Any]:
@@ -149,14 +155,6 @@ def counted(sizes: Mapping[str, int], max_models: int, load_seconds: Mapping[str
 
         async def __call__(self, hold: float) -> dict[str, Any]:
             model = await self.get_model(serve.get_multiplexed_model_id())
-            model.users += 1
-            try:
-                await asyncio.sleep(hold)
-                saw_released = model.released
-            finally:
-                model.users -= 1
-                if model.released and not model.users:
-                    self.evicted_in_use.pop(id(model), None)
-            return self.answer(saw_released, [])
+            return self.answer(await self.use(model, hold), [])
 
     return Counted
