@@ -531,11 +531,11 @@ async def test_the_broker_and_the_models_are_exported_as_ray_metrics() -> None:
 
 def test_room_for_is_the_held_models_mean_size_into_the_free_bytes() -> None:
     room_for = _replica.room_for
-    assert room_for([], {"m": 10}, {"m": 0}) == 1
-    assert room_for([], {"m": 10}, {"m": 10}) == 0
-    assert room_for([{"m": 2}, {"m": 4}], {"m": 20}, {"m": 6}) == 4
-    assert room_for([{"m": 2, "r": 5}], {"m": 20, "r": 6}, {"m": 2, "r": 5}) == 0
-    assert room_for([{"m": 0}], {"m": 20}, {"m": 0}) == 1
+    assert room_for([], {"m": 10}) == 1
+    assert room_for([], {"m": 0}) == 0
+    assert room_for([{"m": 2}, {"m": 4}], {"m": 14}) == 4
+    assert room_for([{"m": 2, "r": 5}], {"m": 18, "r": 1}) == 0
+    assert room_for([{"m": 0}], {"m": 20}) == 1
 
 
 # ------------------------------------------------------------ the replica's broker

@@ -342,9 +342,6 @@ class Models(Generic[T]):
         """The model ids loaded and ready in this replica, oldest load first."""
         return list(self._ready)
 
-    def _ready_ids(self) -> list[str]:
-        return list(self._ready)
-
     def _ready_charges(self) -> list[Mapping[str, int]]:
         return list(self._ready.values())
 

@@ -33,6 +33,7 @@ from .. import _series
 from .._errors import BrokerClosed, InvalidArgument
 from .._shell import Broker, Cache
 from .._shell._backend import exit_task_group, running_backend
+from .._stats import Stats
 
 if TYPE_CHECKING:
     from ._multiplex import Models
@@ -534,9 +535,8 @@ class Replica:
         budget: dict[str, int] = {}
         if self._broker is not None and not self.closed:
             stats = self._broker.stats_nowait()
-            used = stats.broker_used if stats.broker_used is not None else stats.used
             budget = dict(stats.budget)
-            free = {space: max(0, cap - used.get(space, 0)) for space, cap in budget.items()}
+            free = free_bytes(stats)
         return {ROUTING_KEY: {"free": free, "budget": budget, "sizes": sizes}}
 
     async def _report_loop(self) -> None:
@@ -683,15 +683,13 @@ class _Exporter:
         waiting: list[str] = []
         charges: list[Mapping[str, int]] = []
         for models in self._replica.loaders():
-            running.extend(models._ready_ids())
+            running.extend(models.model_ids())
             waiting.extend(models._waiting_ids())
             charges.extend(models._ready_charges())
-        stats = broker.stats_nowait()
-        used = stats.broker_used if stats.broker_used is not None else stats.used
         tags = {
             "running_lora_adapters": _comma_list(running),
             "waiting_lora_adapters": _comma_list(waiting),
-            "max_lora": str(len(running) + room_for(charges, stats.budget, used)),
+            "max_lora": str(len(running) + room_for(charges, free_bytes(broker.stats_nowait()))),
         }
         self._resident.set(float(len(running)))
         if self._info_tags is not None and self._info_tags != tags:
@@ -709,9 +707,13 @@ def _comma_list(model_ids: Iterable[str]) -> str:
     return ",".join(model_id for model_id in model_ids if "," not in model_id)
 
 
-def room_for(
-    charges: Iterable[Mapping[str, int]], budget: Mapping[str, int], used: Mapping[str, int]
-) -> int:
+def free_bytes(stats: Stats) -> dict[str, int]:
+    """Bytes free per space of the budget: the machine's, for a broker connected to a shared one."""
+    used = stats.broker_used if stats.broker_used is not None else stats.used
+    return {space: max(0, cap - used.get(space, 0)) for space, cap in stats.budget.items()}
+
+
+def room_for(charges: Iterable[Mapping[str, int]], free: Mapping[str, int]) -> int:
     """How many more models of the held ones' mean size fit in the free bytes (an estimate).
 
     With nothing held: 1 if any space has free bytes, else 0.
@@ -723,7 +725,6 @@ def room_for(
             if size > 0:
                 totals[space] = totals.get(space, 0) + size
                 counts[space] = counts.get(space, 0) + 1
-    free = {space: max(0, budget.get(space, 0) - used.get(space, 0)) for space in budget}
     if not totals:
         return 1 if any(free.values()) else 0
     room = math.inf
