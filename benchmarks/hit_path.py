@@ -69,6 +69,23 @@ async def make_contenders(backend: str) -> tuple[dict[str, Bench], Any]:
     contenders["cachebroker await+release"] = broker_await
     contenders["cachebroker async with"] = broker_with
 
+    # The same hit under the cost-aware policy, whose hit only logs the request.
+    cost_broker = cachebroker.Broker(budget="1GiB", policy="cost")
+    await cost_broker.__aenter__()
+    cost_block = cost_broker.cache("bench", release)
+    cost_cache = await cost_block.__aenter__()
+    await (await cost_cache.acquire("k", load=load, size=1)).release()
+
+    async def broker_cost(n: int) -> float:
+        acquire = cost_cache.acquire
+        start = time.perf_counter()
+        for _ in range(n):
+            lease = await acquire("k", load=load, size=1)
+            await lease.release()
+        return time.perf_counter() - start
+
+    contenders["cachebroker await+release, cost"] = broker_cost
+
     if backend == "asyncio":
         from async_lru import alru_cache
 
@@ -125,6 +142,8 @@ async def make_contenders(backend: str) -> tuple[dict[str, Bench], Any]:
             contenders["aiocache SimpleMemoryCache.get"] = aiocache_get
 
     async def close() -> None:
+        await cost_block.__aexit__(None, None, None)
+        await cost_broker.__aexit__(None, None, None)
         await block.__aexit__(None, None, None)
         await broker.__aexit__(None, None, None)
 

@@ -12,9 +12,10 @@ import heapq
 import itertools
 import math
 import operator
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import closing
-from typing import Any
+from typing import Any, ClassVar
 
 from ._cover import cover
 from ._protocol import PolicyBase, PolicyEntry
@@ -176,14 +177,21 @@ class CostAware(_Ranked):
     """The cost-aware policy: evict the set of idle entries that is cheapest to reload.
 
     Each key's request rate is estimated with exponential decay on the
-    request clock (a half-life of ``half_life`` requests to the whole broker),
-    and remembered across evictions. The short default half-life (4) makes the
-    rate mostly a recency signal with a memory of bursts: measured on
-    `benchmarks/policies.py`, longer ones (16-200) won more on Zipf workloads
-    but lost up to 4x to LRU when the working set moved, while 4 beat LRU on
-    both (see docs/policies.md). An entry's expected reload cost is ``rate x cost``; its
-    rank per space is that value per byte (kept in the log domain, where the
-    common decay cancels, so ranks only change when the entry is requested).
+    request clock (one tick per acquire to the whole broker), and remembered
+    across evictions. How long that memory should be depends on the workload:
+    long wins when popularity is stationary, short when the working set
+    moves. So the policy keeps the estimate at each half-life of
+    ``HALF_LIVES`` (4 to 1,024 requests) side by side and ranks with the one
+    that has predicted the requests best so far: its score is the
+    log-likelihood of each request under the distribution it predicted just
+    before (a proper scoring rule, mixed with 1% of uniform so that no
+    estimate is ever certain), with a memory of its own as long as the
+    longest half-life. ``half_life=`` fixes one instead. ``half_life`` (the
+    attribute) is the one in use.
+
+    An entry's expected reload cost is ``rate x cost``; its rank per space is
+    that value per byte (kept in the log domain, where the common decay
+    cancels, so ranks only change when the entry is requested).
 
     To cover a shortfall, the ``candidates`` lowest-ranked idle entries are
     gathered (more if they cannot cover it), and the victim *set* is chosen
@@ -193,49 +201,183 @@ class CostAware(_Ranked):
     the best cover that pairs one large entry (one of the 8 covering the
     largest share) with a greedy cover of the rest. With mixed sizes, which
     set to evict matters more than the order.
+
+    The hit path only logs the request: the estimates and scores are brought
+    up to date once per ``batch`` requests and before each victim search, at
+    a cost per distinct key of the batch (see docs/policies.md).
     """
 
-    def __init__(self, *, half_life: float = 4.0, candidates: int = 24) -> None:
+    #: The half-lives (in requests) estimated side by side when none is fixed.
+    HALF_LIVES: ClassVar[tuple[float, ...]] = (4.0, 16.0, 64.0, 256.0, 1024.0)
+    #: Requests logged between two updates of the estimates.
+    batch: ClassVar[int] = 128
+    #: The weight of the uniform distribution mixed into each prediction.
+    _MIX: ClassVar[float] = 0.01
+    #: How much better (in log-likelihood) another half-life must have
+    #: predicted before the ranking switches to it.
+    _SWITCH_MARGIN: ClassVar[float] = 1.0
+
+    def __init__(self, *, half_life: float | None = None, candidates: int = 24) -> None:
         super().__init__()
-        if half_life <= 0 or candidates < 1:
-            raise ValueError("half_life must be positive and candidates at least 1")
-        self.half_life = half_life
+        if half_life is not None and not half_life > 0:
+            raise ValueError(f"half_life must be a positive number of requests, got {half_life!r}")
+        if candidates < 1:
+            raise ValueError(f"candidates must be at least 1, got {candidates!r}")
         self.candidates = candidates
-        self._rates: dict[tuple[str, object], tuple[float, int]] = {}
+        self._halves = self.HALF_LIVES if half_life is None else (float(half_life),)
+        self._bases = tuple(2.0 ** (-1.0 / h) for h in self._halves)
+        self._tuning = half_life is None
+        # Per half-life: its index in a rate record, base, half-life and the
+        # decayed mass of one request per tick since forever.
+        self._estimates = tuple(
+            (i, base, half, base / (1.0 - base) if base < 1.0 else math.inf)
+            for i, (base, half) in enumerate(zip(self._bases, self._halves, strict=True), 1)
+        )
+        # Score memory: as long as the longest half-life.
+        self._score_decay = 2.0 ** (-1.0 / max(self._halves))
+        # (cache, key) -> [tick of the latest request, rate at each half-life then]
+        self._rates: dict[tuple[str, object], list[float]] = {}
+        self._log: list[PolicyEntry] = []
         self._now = 0
+        self._scores = [0.0] * len(self._halves)
+        self._best = len(self._halves) // 2
+        self._forget_above = 4096
+
+    @property
+    def half_life(self) -> float:
+        """The half-life (in requests) of the rate estimate ranking entries now."""
+        return self._halves[self._best]
+
+    def touch(self, entry: PolicyEntry) -> None:
+        log = self._log
+        log.append(entry)
+        if len(log) >= self.batch:
+            self._update()
+
+    def _update(self) -> None:
+        """Fold the logged requests into the estimates, scoring each half-life first."""
+        log = self._log
+        if not log:
+            return
+        self._log = []
+        logged = len(log)
+        # Requests per entry; the common batch has few distinct entries, which
+        # list.count tallies faster than a Counter.
+        distinct = dict.fromkeys(log)
+        if len(distinct) == 1:
+            counts: Mapping[PolicyEntry, int] = {log[0]: logged}
+        elif len(distinct) <= 8:
+            counts = {entry: log.count(entry) for entry in distinct}
+        else:
+            counts = Counter(log)
+        start = log[-1].last_request - logged + 1  # the tick of the batch's first request
+        rates = self._rates
+        tuning = self._tuning
+        mix = self._MIX / max(len(rates), 1)
+        keep = 1.0 - self._MIX
+        scored = [0.0] * len(self._bases)
+        estimates = self._estimates
+        moved: list[PolicyEntry] = []
+        for entry, count in counts.items():
+            key = (entry.cache, entry.key)
+            latest = entry.last_request
+            known = rates.get(key)
+            if known is None:
+                known = rates[key] = [float(latest)] + [0.0] * len(self._bases)
+                predicted = False
+            else:
+                predicted = tuning
+            tick = known[0]
+            known[0] = float(max(latest, tick))
+            # A key requested again within the batch: its requests are taken
+            # as spread evenly from its first (by position) to its latest.
+            earliest: float = latest
+            gap = 0.0
+            if count > 1:
+                earliest = max(min(start + log.index(entry), latest), tick)
+                gap = (latest - earliest) / (count - 1)
+            for i, base, half, mass in estimates:
+                rate = known[i] * base ** (earliest - tick)  # just before the first
+                step = base**gap if gap else 1.0  # decay from one of its requests to the next
+                if step < 1.0:
+                    spread = step ** (count - 1)
+                    known[i] = rate * spread + (1.0 - spread * step) / (1.0 - step)
+                else:
+                    known[i] = rate + count
+                if predicted and earliest > 1:
+                    # The score: each request's probability under the rate
+                    # just before it over the decayed mass of all requests
+                    # (one per tick). The first request of the batch exactly;
+                    # the repeats as many times the middle one.
+                    if earliest < 40 * half:  # the mass has not reached its limit yet
+                        mass *= 1.0 - base ** (earliest - 1)
+                    gained = math.log(keep * rate / mass + mix)
+                    if count > 1:
+                        middle = count / 2
+                        if step < 1.0:
+                            decayed = step**middle
+                            before = rate * decayed + step * (1.0 - decayed) / (1.0 - step)
+                        else:
+                            before = rate + middle
+                        gained += (count - 1) * math.log(keep * before / mass + mix)
+                    scored[i - 1] += gained
+            if entry in self._version:
+                moved.append(entry)
+            if latest > self._now:
+                self._now = latest
+        if tuning:
+            self._retune(scored, logged)
+        if self._heaped:
+            for entry in moved:
+                self._push(entry)
+        if len(rates) > self._forget_above and len(rates) > 8 * len(self._version):
+            self._forget_cold()
+
+    def _retune(self, scored: list[float], logged: int) -> None:
+        """Add a batch's log-likelihoods to the scores; rank by the best half-life."""
+        decay = self._score_decay**logged
+        scores = self._scores
+        best = self._best
+        for i, gained in enumerate(scored):
+            scores[i] = scores[i] * decay + gained
+            if scores[i] > scores[best]:
+                best = i
+        if scores[best] > scores[self._best] + self._SWITCH_MARGIN:
+            self._best = best
+            if self._heaped:
+                self._build_heaps()
+
+    def _forget_cold(self) -> None:
+        """Drop rates decayed below 1/1000 of a request at the longest half-life."""
+        horizon = self._now - 10 * max(self._halves)
+        self._rates = {k: v for k, v in self._rates.items() if v[0] >= horizon}
+        self._forget_above = max(4096, 2 * len(self._rates))
 
     def _log_rate(self, entry: PolicyEntry) -> float:
         """log2 of the decayed rate, shifted by ``+ tick / half_life`` (time-invariant)."""
-        rate, tick = self._rates.get((entry.cache, entry.key), (1.0, entry.last_request))
-        return math.log2(rate) + tick / self.half_life
+        known = self._rates.get((entry.cache, entry.key))
+        best = self._best
+        if known is None:  # requested in this batch only: one request then
+            return entry.last_request / self._halves[best]
+        return math.log2(known[best + 1]) + known[0] / self._halves[best]
 
     def _rank(self, entry: PolicyEntry, size: int) -> float:
         return self._log_rate(entry) + math.log2(max(entry.cost, 1e-6) / max(size, 1))
 
     def _value(self, entry: PolicyEntry) -> float:
         """Expected reload cost of evicting ``entry`` now (decayed rate x cost)."""
-        rate, tick = self._rates.get((entry.cache, entry.key), (1.0, entry.last_request))
-        decay: float = 2.0 ** ((tick - self._now) / self.half_life)
-        return rate * decay * max(entry.cost, 1e-6)
-
-    def touch(self, entry: PolicyEntry) -> None:
-        key = (entry.cache, entry.key)
-        now = entry.last_request
-        self._now = now
-        rate, tick = self._rates.get(key, (0.0, now))
-        self._rates[key] = (rate * 2.0 ** ((tick - now) / self.half_life) + 1.0, now)
-        if len(self._rates) > 4096 and len(self._rates) > 8 * len(self._version):
-            self._forget_cold()
-        if entry in self._version:
-            self._push(entry)
-
-    def _forget_cold(self) -> None:
-        """Drop rate memories decayed below 1/1000 of a request (bounded memory)."""
-        horizon = self._now - 10 * self.half_life
-        self._rates = {k: v for k, v in self._rates.items() if v[1] >= horizon}
+        known = self._rates.get((entry.cache, entry.key))
+        best = self._best
+        rate: float
+        if known is None:
+            rate = self._bases[best] ** (self._now - entry.last_request)
+        else:
+            rate = known[best + 1] * self._bases[best] ** (self._now - known[0])
+        return rate * max(entry.cost, 1e-6)
 
     def victims(self, shortfall: Mapping[str, int]) -> list[PolicyEntry]:
         """The cheapest cover of ``shortfall`` among the lowest-ranked idle entries."""
+        self._update()
         if len(self._version) <= self.candidates:
             # Every resident entry fits in the pool: skip the walk of the heaps.
             pool = [entry for entry in self._version if entry.idle]
