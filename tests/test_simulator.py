@@ -348,7 +348,12 @@ def test_figure_draws_reloads_hit_ratio_and_waits_under_a_title() -> None:
     assert lru_p99.get_ydata() == pytest.approx([9.0, 0.0])
     assert lru_mean.get_color() == lru_p99.get_color() != cost_mean.get_color()
     assert cost_p99.get_linestyle() == "--"
-    assert [line.get_label() for line in reloads.lines] == ["lru", "cost", "optimum"]
+    assert [line.get_label() for line in reloads.lines] == [
+        "lru",
+        "cost",
+        "optimum",
+        "online optimum",
+    ]
     assert figure(comparisons).get_suptitle() == "2 requests"
 
 

@@ -30,6 +30,7 @@ from .._sizes import parse_budget as _parse_budget
 from .._units import DEFAULT_SPACE as _DEFAULT_SPACE
 from .._units import format_bytes
 from ._csv import COLUMNS, TraceError, parse_trace, read_trace
+from ._online import OnlineOptimum, online_optimum
 from ._optimum import Bound, offline_bound
 from ._replay import TIMINGS, ReplayResult, replay
 from ._replay import Timing as _Timing
@@ -47,12 +48,14 @@ __all__ = (
     "TIMINGS",
     "Bound",
     "Comparison",
+    "OnlineOptimum",
     "ReplayResult",
     "Request",
     "TraceError",
     "builtin_workload",
     "figure",
     "offline_bound",
+    "online_optimum",
     "parse_trace",
     "plot",
     "read_trace",
@@ -75,12 +78,19 @@ class Comparison:
         bound: The offline optimum or a lower bound on it (``None`` if not computed).
         timing: How the policies were replayed: ``"sequential"`` (the
             optimum's model) or ``"replay"`` (the virtual clock).
+        online: The optimal online policy for the trace's observed popularity
+            (``None`` if not computed; ``online_note`` then says why when it
+            was asked for).
+        online_note: Why the online optimum was skipped (too many keys share
+            spaces), or ``None``.
     """
 
     budget: Mapping[str, int]
     results: tuple[ReplayResult, ...]
     bound: Bound | None = None
     timing: _Timing = "sequential"
+    online: OnlineOptimum | None = None
+    online_note: str | None = None
 
     @property
     def label(self) -> str:
@@ -139,6 +149,7 @@ def simulate(
     timing: _Timing = "sequential",
     bound: bool = True,
     bound_time_limit: float = 30.0,
+    online: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> list[Comparison]:
     """Replay ``requests`` under every policy at every budget.
@@ -156,12 +167,17 @@ def simulate(
         bound: Compute the offline optimum at each budget (needs scipy).
         bound_time_limit: Seconds the MILP may take per budget before its best
             proven bound is reported instead.
+        online: Compute the online optimum at each budget (needs numpy, in
+            the ``sim`` extra): the optimal policy for the trace's observed
+            popularity, run on the trace. Skipped, with ``online_note`` saying
+            so, when more than 14 keys share spaces.
         progress: Called with a short description as each step starts.
 
     Raises:
         InvalidArgument: a budget, policy or request is unusable (a request
             larger than its space's budget, for one).
-        ImportError: ``bound`` is true and scipy is not installed.
+        ImportError: ``bound`` is true and scipy is not installed, or
+            ``online`` is true and numpy is not.
     """
     resolved = resolve_budgets(budgets, requests)
     names = [_policy_name(policy) for policy in policies]
@@ -181,8 +197,23 @@ def simulate(
             if progress is not None:
                 progress(f"optimum at {_budget_label(budget)}")
             optimum = offline_bound(requests, budget, time_limit=bound_time_limit)
+        reference = note = None
+        if online:
+            if progress is not None:
+                progress(f"online optimum at {_budget_label(budget)}")
+            try:
+                reference = online_optimum(requests, budget)
+            except InvalidArgument as exc:  # too many keys share spaces
+                note = str(exc)
         comparisons.append(
-            Comparison(budget=budget, results=tuple(results), bound=optimum, timing=timing)
+            Comparison(
+                budget=budget,
+                results=tuple(results),
+                bound=optimum,
+                timing=timing,
+                online=reference,
+                online_note=note,
+            )
         )
     return comparisons
 
@@ -199,7 +230,8 @@ def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Fi
     """Draw the comparisons against budget: reload seconds, hit ratio and waits for space.
 
     Three panels, one line per policy: total reload seconds (with the offline
-    optimum, or its bound, dashed in black), hit ratio, and the mean (solid)
+    optimum, or its bound, dashed in black, and the online optimum dotted),
+    hit ratio, and the mean (solid)
     and 99th-percentile (dashed) wait for space. ``title`` names the workload;
     without it the figure is titled by the number of requests. Budgets must be
     of a single space (the x axis is bytes). Needs matplotlib; the figure is
@@ -243,6 +275,15 @@ def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Fi
             linestyle="--",
             color="black",
             label="optimum" if exact else "optimum (lower bound)",
+        )
+    online = [c.online for c in ordered]
+    if all(o is not None for o in online):
+        reloads.plot(
+            gib,
+            [o.reload_seconds for o in online if o is not None],
+            linestyle=":",
+            color="black",
+            label="online optimum",
         )
     reloads.set(xlabel="budget (GiB)", ylabel="total reload seconds", title="Reload time")
     ratios.set(xlabel="budget (GiB)", ylabel="hit ratio", title="Hit ratio")

@@ -85,6 +85,11 @@ def add_parser(commands: Any, name: str, help: str) -> None:
         "--no-bound", action="store_true", help="skip the offline optimum (it needs scipy)"
     )
     parser.add_argument(
+        "--no-online",
+        action="store_true",
+        help="skip the online optimum (the best policy knowing each key's popularity)",
+    )
+    parser.add_argument(
         "--bound-time-limit",
         type=float,
         default=30.0,
@@ -117,11 +122,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 file=sys.stderr,
             )
             bound = False
+        online = not args.no_online
+        if online and not _has("numpy"):
+            print(
+                "note: the online optimum needs numpy (cachebroker's 'sim' extra); skipped",
+                file=sys.stderr,
+            )
+            online = False
         if args.plot is not None and not _has("matplotlib"):
             raise InvalidArgument(
                 "--plot needs matplotlib: pip install matplotlib (cachebroker's 'sim' extra)"
             )
-        steps = len(budgets) * (len(policies) + bound)
+        steps = len(budgets) * (len(policies) + bound + online)
         with _progress(steps) as step:
             comparisons = simulate(
                 requests,
@@ -131,6 +143,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 timing=args.timing,
                 bound=bound,
                 bound_time_limit=args.bound_time_limit,
+                online=online,
                 progress=step,
             )
         if args.plot is not None:
@@ -236,6 +249,17 @@ def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
                         else _seconds(bound.upper_seconds)
                     ),
                     "bound_method": None if bound is None else bound.method,
+                    "online_reload_seconds": (
+                        None
+                        if comparison.online is None
+                        else _seconds(comparison.online.reload_seconds)
+                    ),
+                    "online_expected_seconds": (
+                        None
+                        if comparison.online is None
+                        else _seconds(comparison.online.expected_seconds)
+                    ),
+                    "online_note": comparison.online_note,
                     "timing": comparison.timing,
                 }
             )
@@ -300,9 +324,27 @@ def table_rows(comparisons: list[Comparison]) -> list[tuple[str, ...]]:
                     _gap(result.reload_seconds, None if bound is None else bound.reload_seconds),
                 )
             )
+        all_loads = comparison.results[0].all_loads_seconds
+        if comparison.online is not None:
+            seconds = comparison.online.reload_seconds
+            cells.append(
+                (
+                    comparison.label,
+                    "online optimum",
+                    "",
+                    "",
+                    "",
+                    f"{seconds:,.0f}",
+                    _percent(seconds, all_loads),
+                    "",
+                    "",
+                    "",
+                    "",
+                    _gap(seconds, None if bound is None else bound.reload_seconds),
+                )
+            )
         if bound is not None:
             name = {"exact": "optimum", "milp-bound": "bound (milp)", "lp": "bound (lp)"}
-            all_loads = comparison.results[0].all_loads_seconds
             cells.append(
                 (
                     comparison.label,
@@ -364,6 +406,16 @@ def _print_table(comparisons: list[Comparison], source: str, requests: int, out:
 
 
 def _print_notes(comparisons: list[Comparison], out: IO[str]) -> None:
+    if any(c.online is not None for c in comparisons):
+        print(
+            "online optimum: the best policy knowing each key's share of the requests but not "
+            "their order, run on the trace (a policy that follows a changing popularity may "
+            "beat it); optimum: the best schedule knowing the order",
+            file=out,
+        )
+    skipped = next((c.online_note for c in comparisons if c.online_note), None)
+    if skipped:
+        print(f"online optimum skipped: {skipped}", file=out)
     methods = {c.bound.method for c in comparisons if c.bound is not None}
     if "milp-bound" in methods:
         brackets = [

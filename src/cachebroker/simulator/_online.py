@@ -1,0 +1,277 @@
+"""The online optimum: the best any policy could do knowing each key's popularity, not the order.
+
+The offline optimum knows the future order of requests; no policy can. The
+online optimum is the reference a policy *could* reach: the optimal policy
+for requests drawn independently from the trace's observed popularity (each
+key's share of the requests), run on the trace itself. It is a Markov
+decision process over cache contents: the state is the set of resident keys;
+a request for a resident key costs nothing, one for a missing key costs its
+load seconds and the policy chooses which residents to keep (any subset that
+fits beside the requested key). Solved by backward induction over the
+trace's length (finite-horizon value iteration, from the empty cache), the
+policy minimises the *expected* total reload time of a trace of that length
+and popularity among all online policies, whatever they remember.
+
+Keys are grouped by the spaces they share: keys of disjoint spaces never
+compete, so each group is its own process (requests for the others leave it
+unchanged). A group is solved over every subset of its keys, 2^n states, so
+it is done up to ``max_keys`` keys a group (14 by default: 16,384 states,
+seconds for thousands of requests); beyond, ``online_optimum`` raises
+``InvalidArgument`` and ``simulate`` says the reference was skipped.
+
+Sizes are each key's largest in the trace (a schedule for them fits the
+real ones) and a miss costs the request's own ``load_seconds``, as in the
+offline optimum, whose model (sequential: loads take no time) it shares.
+The realised figure is therefore never below the offline optimum; the
+expected one is never above any online policy's expectation on traces drawn
+from that popularity. Neither is a bound of a policy on the trace itself:
+a policy that guessed the order well may come in under the realised figure.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .._errors import InvalidArgument
+from ._request import Request, check_fits
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+__all__ = ["OnlineOptimum", "online_optimum"]
+
+#: Bytes of value tables kept for the last requests of a trace (older ones
+#: use the stationary values, which the tables have converged to by then).
+_TABLE_BYTES = 64 * 2**20
+
+
+@attrs.frozen(kw_only=True)
+class OnlineOptimum:
+    """The optimal online policy for a trace's observed popularity, and what it cost.
+
+    Attributes:
+        reload_seconds: Its total reload time on the trace (sequential model).
+        expected_seconds: Its expected total reload time on a trace of the
+            same length drawn from the same popularity: the least any online
+            policy can expect there.
+        keys: Distinct keys of the trace.
+        largest_group: Keys of the largest group sharing spaces (the process
+            solved has ``2 ** largest_group`` states).
+        solve_seconds: Wall-clock time spent solving and running it.
+    """
+
+    reload_seconds: float
+    expected_seconds: float
+    keys: int
+    largest_group: int
+    solve_seconds: float
+
+
+Key = tuple[str, str]
+
+
+@attrs.define
+class _Group:
+    """Keys sharing spaces: solved as one process."""
+
+    keys: list[Key]
+    index: dict[Key, int]
+    sizes: dict[str, list[int]]  # per space, each key's bytes
+    costs: list[float]  # each key's mean load seconds
+    shares: list[float]  # each key's share of all requests
+
+
+def online_optimum(
+    requests: Sequence[Request], budget: Mapping[str, int], *, max_keys: int = 14
+) -> OnlineOptimum:
+    """Solve and run the optimal online policy for the popularity observed in ``requests``.
+
+    Args:
+        requests: The trace, in time order.
+        budget: Bytes per space.
+        max_keys: The most keys one group of keys sharing spaces may have.
+
+    Raises:
+        InvalidArgument: a group of keys sharing spaces has more than
+            ``max_keys`` keys, or a request does not fit its space's budget.
+        ImportError: numpy is not installed (the ``sim`` extra).
+    """
+    return _online(requests, budget, max_keys=max_keys)
+
+
+def _online(
+    requests: Sequence[Request],
+    budget: Mapping[str, int],
+    *,
+    max_keys: int = 14,
+    shares: Mapping[Key, float] | None = None,
+) -> OnlineOptimum:
+    """``online_optimum``, optionally for a given popularity (``shares``) instead of the trace's."""
+    try:
+        import numpy as np  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - exercised without the extra
+        raise ImportError(
+            "the online optimum needs numpy: pip install scipy (cachebroker's 'sim' extra)"
+        ) from exc
+    check_fits(requests, budget)
+    started = time.perf_counter()
+    groups = _groups(requests, shares)
+    largest = max((len(group.keys) for group in groups), default=0)
+    if largest > max_keys:
+        raise InvalidArgument(
+            f"the online optimum is solved over every set of keys that share spaces, up to "
+            f"{max_keys} keys; {largest} keys of this trace share spaces"
+        )
+    horizon = len(requests)
+    realised = 0.0
+    expected = 0.0
+    for group in groups:
+        tables, from_empty = _solve(group, budget, horizon)
+        expected += from_empty
+        realised += _run(group, tables, requests)
+    return OnlineOptimum(
+        reload_seconds=realised,
+        expected_seconds=expected,
+        keys=sum(len(group.keys) for group in groups),
+        largest_group=largest,
+        solve_seconds=time.perf_counter() - started,
+    )
+
+
+def _groups(requests: Sequence[Request], shares: Mapping[Key, float] | None) -> list[_Group]:
+    """The trace's keys, grouped by shared spaces, with sizes, costs and popularity."""
+    counts: dict[Key, int] = {}
+    seconds: dict[Key, float] = {}
+    sizes: dict[Key, dict[str, int]] = {}
+    for request in requests:
+        key = (request.cache, request.key)
+        counts[key] = counts.get(key, 0) + 1
+        seconds[key] = seconds.get(key, 0.0) + request.load_seconds
+        largest = sizes.setdefault(key, {})
+        for space, amount in request.size.items():
+            if amount > 0:
+                largest[space] = max(largest.get(space, 0), amount)
+    if shares is None:
+        shares = {key: count / len(requests) for key, count in counts.items()}
+    # Union-find over spaces: keys charging a common space share a group.
+    parent: dict[str, str] = {}
+
+    def root(space: str) -> str:
+        while parent.setdefault(space, space) != space:
+            space = parent[space]
+        return space
+
+    for size in sizes.values():
+        spaces = list(size)
+        for other in spaces[1:]:
+            parent[root(other)] = root(spaces[0])
+    members: dict[object, list[Key]] = {}
+    for key, size in sizes.items():
+        # A key charging nothing is never evicted for room: a group of its own.
+        members.setdefault(root(next(iter(size))) if size else key, []).append(key)
+    groups = []
+    for keys in members.values():
+        spaces = sorted({space for key in keys for space in sizes[key]})
+        groups.append(
+            _Group(
+                keys=keys,
+                index={key: i for i, key in enumerate(keys)},
+                sizes={space: [sizes[key].get(space, 0) for key in keys] for space in spaces},
+                costs=[seconds[key] / counts[key] for key in keys],
+                shares=[shares.get(key, 0.0) for key in keys],
+            )
+        )
+    return groups
+
+
+def _solve(
+    group: _Group, budget: Mapping[str, int], horizon: int
+) -> tuple[list[NDArray[np.float64]], float]:
+    """Backward induction: ``tables[n][S]`` is the least expected reload time of the
+    next ``n`` requests from contents ``S`` (a bit set of the group's keys).
+
+    Returns the tables and the expected reload time of ``horizon`` requests
+    from the empty cache. Tables are kept until they stop changing but for a
+    constant (the same in every state: each further request then adds the
+    same expected cost, and no decision sees the difference) or until they
+    fill ``_TABLE_BYTES``; later requests are decided on the last one kept.
+    """
+    import numpy as np
+
+    count = len(group.keys)
+    states = 1 << count
+    masks = np.arange(states)
+    member = ((masks[:, None] >> np.arange(count)) & 1).astype(bool)
+    fits = np.ones(states, dtype=bool)
+    for space, sizes in group.sizes.items():
+        fits &= member.astype(np.int64) @ np.asarray(sizes, dtype=np.int64) <= budget[space]
+    shares = np.asarray(group.shares)
+    costs = np.asarray(group.costs)
+    stay = 1.0 - shares.sum() + (member * shares).sum(axis=1)  # a hit, or another group's key
+    shape = (2,) * count
+    table = np.where(fits, 0.0, np.inf)
+    tables = [table]
+    keep = max(2, _TABLE_BYTES // (8 * states))
+    tolerance = 1e-9 * max(1.0, float(costs.max(initial=0.0)))
+    for done in range(1, horizon + 1):
+        new = stay * np.where(fits, table, 0.0)
+        for k in range(count):
+            if shares[k] == 0.0:
+                continue
+            # The best contents to keep after loading k from S: the least
+            # value over the subsets of S, with k added.
+            best = table[masks | (1 << k)].reshape(shape)
+            for axis in range(count):
+                view = np.moveaxis(best, axis, 0)
+                np.minimum(view[1:], view[:1], out=view[1:])
+            missing = ~member[:, k]
+            new[missing] += shares[k] * (costs[k] + best.reshape(states)[missing])
+        new = np.where(fits, new, np.inf)
+        step = new[fits] - table[fits]
+        table = new
+        if len(tables) < keep:
+            tables.append(table)
+        if float(step.max() - step.min()) <= tolerance:
+            # Stationary: each further request adds the same expected cost.
+            return tables, float(table[0]) + float(step.max()) * (horizon - done)
+    return tables, float(table[0])
+
+
+def _run(group: _Group, tables: list[NDArray[np.float64]], requests: Sequence[Request]) -> float:
+    """Replay ``requests`` under the policy of ``tables``: the group's reload seconds."""
+    import numpy as np
+
+    contents = 0
+    total = 0.0
+    remaining = len(requests)
+    index = group.index
+    popcount: dict[int, Any] = {}
+    for request in requests:
+        remaining -= 1
+        k = index.get((request.cache, request.key))
+        if k is None or contents >> k & 1:
+            continue
+        total += request.load_seconds
+        table = tables[min(remaining, len(tables) - 1)]
+        others = [j for j in range(len(group.keys)) if contents >> j & 1]
+        subsets = np.arange(1 << len(others))
+        choices = np.full(subsets.shape, 1 << k)
+        for bit, j in enumerate(others):
+            choices |= ((subsets >> bit) & 1) << j
+        values = table[choices]
+        low = values.min()
+        # Ties: keep the most keys (evicting more than needed never helps).
+        tied = choices[values <= low + 1e-12 * max(1.0, abs(low))]
+        sizes = popcount.get(len(others))
+        if sizes is None:
+            sizes = popcount[len(others)] = np.array(
+                [bin(int(s)).count("1") for s in subsets], dtype=np.int64
+            )
+        kept = sizes[values <= low + 1e-12 * max(1.0, abs(low))]
+        contents = int(tied[int(np.argmax(kept))])
+    return total
