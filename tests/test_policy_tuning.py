@@ -272,3 +272,33 @@ def test_tuned_cost_is_near_the_best_fixed_memory(
         for h in CostAware.HALF_LIVES
     ]
     assert _total(traces, budget, CostAware) <= 1.05 * min(fixed)
+
+
+def test_a_switch_of_memory_with_heaps_chooses_as_without() -> None:
+    """Heaps are kept for every half-life, so a switch needs no rebuild and changes no choice."""
+    with_heaps, without = CostAware(), CostAware()
+    with_heaps.heap_above = 0
+    clock = [0]
+    items = [Item(f"k{i}", clock, size=1 + i % 7, cost=1.0 + i % 5) for i in range(40)]
+    for policy in (with_heaps, without):
+        for item in items:
+            policy.admit(item)
+    rng = random.Random(3)
+    seen = set()
+    for phase in range(6):
+        stream = (
+            rng.choices(items, [1 / (r + 1) for r in range(40)], k=3000)
+            if phase % 2 == 0
+            else [items[(phase * 7 + i % 3) % 40] for i in range(3000)]
+        )
+        for item in stream:
+            clock[0] += 1
+            item.last_request = clock[0]
+            with_heaps.touch(item)
+            without.touch(item)
+        for need in (1, 9, 30):
+            chosen = [v.key for v in with_heaps.victims({"m": need})]
+            assert chosen == [v.key for v in without.victims({"m": need})]
+        assert with_heaps.half_life == without.half_life
+        seen.add(with_heaps.half_life)
+    assert len(seen) > 1  # the memory did switch on the way

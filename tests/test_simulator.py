@@ -357,6 +357,12 @@ def test_figure_draws_reloads_hit_ratio_and_waits_under_a_title() -> None:
     assert figure(comparisons).get_suptitle() == "2 requests"
 
 
+def test_figure_leaves_out_the_waits_in_the_sequential_model() -> None:
+    trace = [req(0, "A", load=1, hold=10), req(2, "B", load=1)]
+    drawn = figure(simulate(trace, [10, 20], ["lru"], timing="sequential"))
+    assert [axes.get_title() for axes in drawn.axes] == ["Reload time", "Hit ratio"]
+
+
 # ------------------------------------------------------------------ command line
 
 

@@ -27,10 +27,12 @@ _HeapItem = tuple[float, int, PolicyEntry]
 class _Ranked(PolicyBase):
     """Resident entries in one lazy min-heap per space, keyed by a per-space rank.
 
-    ``_rank(entry, size)`` is the priority of ``entry`` when it must free
-    ``size`` bytes of a space (lower goes first); ties go to the entry ranked
-    earlier. A heap item is stale once the entry was re-ranked or removed;
-    stale items are skipped and compacted.
+    ``_rank(entry, size, ranking)`` is the priority of ``entry`` when it must
+    free ``size`` bytes of a space (lower goes first); ties go to the entry
+    ranked earlier. A policy may keep ``_rankings`` rankings side by side (a
+    heap per space for each) and search by ``_ranking``, so that switching
+    between them costs nothing. A heap item is stale once the entry was
+    re-ranked or removed; stale items are skipped and compacted.
 
     While ``heap_above`` entries or fewer are resident (the usual model
     server), no heap is kept: a request costs no push, and a victim search
@@ -43,12 +45,14 @@ class _Ranked(PolicyBase):
     heap_above = 32
 
     def __init__(self) -> None:
-        self._heaps: dict[str, list[_HeapItem]] = {}
+        self._heaps: dict[tuple[str, int], list[_HeapItem]] = {}
         self._version: dict[PolicyEntry, int] = {}
         self._seq = itertools.count(1)
         self._heaped = False
+        self._rankings = 1  # rankings kept side by side
+        self._ranking = 0  # the one victims are searched by
 
-    def _rank(self, entry: PolicyEntry, size: int) -> float:
+    def _rank(self, entry: PolicyEntry, size: int, ranking: int) -> float:
         raise NotImplementedError
 
     def _push(self, entry: PolicyEntry) -> None:
@@ -58,18 +62,21 @@ class _Ranked(PolicyBase):
             if len(self._version) > self.heap_above:
                 self._build_heaps()
             return
-        for space, size in entry.charge.items():
-            heap = self._heaps.setdefault(space, [])
-            heapq.heappush(heap, (self._rank(entry, size), version, entry))
-            if len(heap) > 2 * len(self._version) + 64:
-                heap[:] = [item for item in heap if self._version.get(item[2]) == item[1]]
-                heapq.heapify(heap)
+        for ranking in range(self._rankings):
+            for space, size in entry.charge.items():
+                heap = self._heaps.setdefault((space, ranking), [])
+                heapq.heappush(heap, (self._rank(entry, size, ranking), version, entry))
+                if len(heap) > 2 * len(self._version) + 64:
+                    heap[:] = [item for item in heap if self._version.get(item[2]) == item[1]]
+                    heapq.heapify(heap)
 
     def _build_heaps(self) -> None:
-        heaps: dict[str, list[_HeapItem]] = {}
+        heaps: dict[tuple[str, int], list[_HeapItem]] = {}
         for entry, version in self._version.items():
-            for space, size in entry.charge.items():
-                heaps.setdefault(space, []).append((self._rank(entry, size), version, entry))
+            for ranking in range(self._rankings):
+                for space, size in entry.charge.items():
+                    item = (self._rank(entry, size, ranking), version, entry)
+                    heaps.setdefault((space, ranking), []).append(item)
         for heap in heaps.values():
             heapq.heapify(heap)
         self._heaps = heaps
@@ -92,9 +99,10 @@ class _Ranked(PolicyBase):
         Leased entries met on the way are put back when the iteration ends.
         """
         short = [space for space in shortfall if shortfall[space] > 0]
+        ranking = self._ranking
         if not self._heaped:
             ranked = sorted(
-                (self._rank(entry, entry.charge[space]), version, entry)
+                (self._rank(entry, entry.charge[space], ranking), version, entry)
                 for entry, version in self._version.items()
                 if entry.idle
                 for space in short
@@ -106,7 +114,7 @@ class _Ranked(PolicyBase):
                     seen_once.add(entry)
                     yield rank, entry
             return
-        heaps = [self._heaps.get(space, []) for space in short]
+        heaps = [self._heaps.get((space, ranking), []) for space in short]
         set_aside: list[tuple[list[_HeapItem], _HeapItem]] = []
         seen: set[PolicyEntry] = set()
         version = self._version
@@ -147,7 +155,7 @@ class GDSF(_Ranked):
         self.clock = 0.0
         self._base: dict[PolicyEntry, float] = {}
 
-    def _rank(self, entry: PolicyEntry, size: int) -> float:
+    def _rank(self, entry: PolicyEntry, size: int, ranking: int = 0) -> float:
         return self._base[entry] + entry.requests * max(entry.cost, 1e-9) / max(size, 1)
 
     def admit(self, entry: PolicyEntry) -> None:
@@ -240,13 +248,14 @@ class CostAware(_Ranked):
         self._log: list[PolicyEntry] = []
         self._now = 0
         self._scores = [0.0] * len(self._halves)
-        self._best = len(self._halves) // 2
+        self._rankings = len(self._halves)  # a ranking (and heaps) per half-life
+        self._ranking = len(self._halves) // 2
         self._forget_above = 4096
 
     @property
     def half_life(self) -> float:
         """The half-life (in requests) of the rate estimate ranking entries now."""
-        return self._halves[self._best]
+        return self._halves[self._ranking]
 
     def touch(self, entry: PolicyEntry) -> None:
         log = self._log
@@ -337,15 +346,13 @@ class CostAware(_Ranked):
         """Add a batch's log-likelihoods to the scores; rank by the best half-life."""
         decay = self._score_decay**logged
         scores = self._scores
-        best = self._best
+        best = self._ranking
         for i, gained in enumerate(scored):
             scores[i] = scores[i] * decay + gained
             if scores[i] > scores[best]:
                 best = i
-        if scores[best] > scores[self._best] + self._SWITCH_MARGIN:
-            self._best = best
-            if self._heaped:
-                self._build_heaps()
+        if scores[best] > scores[self._ranking] + self._SWITCH_MARGIN:
+            self._ranking = best  # its heaps are kept up to date already
 
     def _forget_cold(self) -> None:
         """Drop rates decayed below 1/1000 of a request at the longest half-life."""
@@ -353,26 +360,25 @@ class CostAware(_Ranked):
         self._rates = {k: v for k, v in self._rates.items() if v[0] >= horizon}
         self._forget_above = max(4096, 2 * len(self._rates))
 
-    def _log_rate(self, entry: PolicyEntry) -> float:
+    def _log_rate(self, entry: PolicyEntry, ranking: int) -> float:
         """log2 of the decayed rate, shifted by ``+ tick / half_life`` (time-invariant)."""
         known = self._rates.get((entry.cache, entry.key))
-        best = self._best
         if known is None:  # requested in this batch only: one request then
-            return entry.last_request / self._halves[best]
-        return math.log2(known[best + 1]) + known[0] / self._halves[best]
+            return entry.last_request / self._halves[ranking]
+        return math.log2(known[ranking + 1]) + known[0] / self._halves[ranking]
 
-    def _rank(self, entry: PolicyEntry, size: int) -> float:
-        return self._log_rate(entry) + math.log2(max(entry.cost, 1e-6) / max(size, 1))
+    def _rank(self, entry: PolicyEntry, size: int, ranking: int) -> float:
+        return self._log_rate(entry, ranking) + math.log2(max(entry.cost, 1e-6) / max(size, 1))
 
     def _value(self, entry: PolicyEntry) -> float:
         """Expected reload cost of evicting ``entry`` now (decayed rate x cost)."""
         known = self._rates.get((entry.cache, entry.key))
-        best = self._best
+        ranking = self._ranking
         rate: float
         if known is None:
-            rate = self._bases[best] ** (self._now - entry.last_request)
+            rate = self._bases[ranking] ** (self._now - entry.last_request)
         else:
-            rate = known[best + 1] * self._bases[best] ** (self._now - known[0])
+            rate = known[ranking + 1] * self._bases[ranking] ** (self._now - known[0])
         return rate * max(entry.cost, 1e-6)
 
     def victims(self, shortfall: Mapping[str, int]) -> list[PolicyEntry]:

@@ -229,13 +229,15 @@ def _policy_name(policy: str) -> str:
 def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Figure:
     """Draw the comparisons against budget: reload seconds, hit ratio and waits for space.
 
-    Three panels, one line per policy: total reload seconds (with the offline
+    One line per policy in each panel: total reload seconds (with the offline
     optimum, or its bound, dashed in black, and the online optimum dotted),
-    hit ratio, and the mean (solid)
-    and 99th-percentile (dashed) wait for space. ``title`` names the workload;
-    without it the figure is titled by the number of requests. Budgets must be
-    of a single space (the x axis is bytes). Needs matplotlib; the figure is
-    not registered with ``pyplot``, so nothing needs closing.
+    hit ratio, and, for comparisons replayed with ``timing="replay"``, the
+    mean (solid) and 99th-percentile (dashed) wait for space (in the
+    sequential model no request waits, so that panel is left out). ``title``
+    names the workload; without it the figure is titled by the number of
+    requests. Budgets must be of a single space (the x axis is bytes). Needs
+    matplotlib; the figure is not registered with ``pyplot``, so nothing
+    needs closing.
 
     Raises:
         InvalidArgument: no comparison, or budgets of several spaces.
@@ -253,8 +255,10 @@ def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Fi
         ) from exc
     ordered = sorted(comparisons, key=lambda c: next(iter(c.budget.values())))
     gib = [next(iter(c.budget.values())) / 2**30 for c in ordered]
-    drawn = Figure(figsize=(15, 4.4), layout="constrained")
-    reloads, ratios, waits = drawn.subplots(1, 3)
+    timed = any(comparison.timing == "replay" for comparison in ordered)
+    drawn = Figure(figsize=(15 if timed else 10, 4.4), layout="constrained")
+    panels = list(drawn.subplots(1, 3 if timed else 2))
+    reloads, ratios = panels[:2]
     for index, result in enumerate(ordered[0].results):
         series = [c.results[index] for c in ordered]
         (line,) = reloads.plot(
@@ -264,8 +268,12 @@ def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Fi
         ratios.plot(
             gib, [r.hit_ratio for r in series], marker="o", color=color, label=result.policy
         )
-        waits.plot(gib, [r.mean_wait for r in series], marker="o", color=color, label=result.policy)
-        waits.plot(gib, [r.p99_wait for r in series], marker="x", linestyle="--", color=color)
+        if timed:
+            waits = panels[2]
+            waits.plot(
+                gib, [r.mean_wait for r in series], marker="o", color=color, label=result.policy
+            )
+            waits.plot(gib, [r.p99_wait for r in series], marker="x", linestyle="--", color=color)
     bounds = [c.bound for c in ordered]
     if all(b is not None for b in bounds):
         exact = all(b is not None and b.method == "exact" for b in bounds)
@@ -287,16 +295,17 @@ def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Fi
         )
     reloads.set(xlabel="budget (GiB)", ylabel="total reload seconds", title="Reload time")
     ratios.set(xlabel="budget (GiB)", ylabel="hit ratio", title="Hit ratio")
-    waits.set(
-        xlabel="budget (GiB)",
-        ylabel="seconds waited for space",
-        title="Wait for space: mean (solid), p99 (dashed)",
-    )
-    for axes in (reloads, ratios, waits):
+    if timed:
+        panels[2].set(
+            xlabel="budget (GiB)",
+            ylabel="seconds waited for space",
+            title="Wait for space: mean (solid), p99 (dashed)",
+        )
+        panels[2].set_ylim(bottom=0)
+    for axes in panels:
         axes.grid(alpha=0.3)
         axes.legend()
     reloads.set_ylim(bottom=0)
-    waits.set_ylim(bottom=0)
     if title is None:
         title = f"{ordered[0].results[0].requests:,} requests"
     drawn.suptitle(title)
