@@ -894,8 +894,12 @@ class Core:
         others = [name for name in self.canon_names if name not in own]
         victims: list[Entry] = []
         for spaces in (own, others):
-            if spaces and not victims:
-                chosen = self.policy.victims(dict.fromkeys(spaces, 1))
+            # All the spaces at once, then (for a policy that covers a
+            # shortfall only as a whole) one at a time: any of them is worth freeing.
+            for asked in (spaces, *([space] for space in spaces)) if spaces else ():
+                if victims:
+                    break
+                chosen = self.policy.victims(dict.fromkeys(asked, 1))
                 victims = [v for v in chosen if isinstance(v, Entry) and v.idle]
         if not victims and self._unsized:
             victims = [next(iter(self._unsized))]

@@ -290,21 +290,21 @@ class CostAware(_Ranked):
         for entry, count in counts.items():
             key = (entry.cache, entry.key)
             latest = entry.last_request
+            # A key requested again within the batch: its requests are taken
+            # as spread evenly from its first (by position) to its latest.
+            earliest: float = latest
+            if count > 1:
+                earliest = min(start + log.index(entry), latest)
             known = rates.get(key)
-            if known is None:
-                known = rates[key] = [float(latest)] + [0.0] * len(self._bases)
+            if known is None:  # no request before the first one here
+                known = rates[key] = [float(earliest)] + [0.0] * len(self._bases)
                 predicted = False
             else:
                 predicted = tuning
             tick = known[0]
+            earliest = max(earliest, tick)  # never before its previous request
             known[0] = float(max(latest, tick))
-            # A key requested again within the batch: its requests are taken
-            # as spread evenly from its first (by position) to its latest.
-            earliest: float = latest
-            gap = 0.0
-            if count > 1:
-                earliest = max(min(start + log.index(entry), latest), tick)
-                gap = (latest - earliest) / (count - 1)
+            gap = max(latest - earliest, 0.0) / (count - 1) if count > 1 else 0.0
             for i, base, half, mass in estimates:
                 rate = known[i] * base ** (earliest - tick)  # just before the first
                 step = base**gap if gap else 1.0  # decay from one of its requests to the next
@@ -336,9 +336,8 @@ class CostAware(_Ranked):
                 self._now = latest
         if tuning:
             self._retune(scored, logged)
-        if self._heaped:
-            for entry in moved:
-                self._push(entry)
+        for entry in moved:  # re-ranked: ties now go to the entry ranked earlier
+            self._push(entry)
         if len(rates) > self._forget_above and len(rates) > 8 * len(self._version):
             self._forget_cold()
 
@@ -355,10 +354,19 @@ class CostAware(_Ranked):
             self._ranking = best  # its heaps are kept up to date already
 
     def _forget_cold(self) -> None:
-        """Drop rates decayed below 1/1000 of a request at the longest half-life."""
+        """Drop the rates of keys not resident: those decayed below 1/1000 of a
+        request at the longest half-life, and beyond the most recent
+        ``max(4096, 8 x resident)`` (so that very long memories stay bounded too)."""
+        rates = self._rates
+        resident = {(entry.cache, entry.key) for entry in self._version}
         horizon = self._now - 10 * max(self._halves)
-        self._rates = {k: v for k, v in self._rates.items() if v[0] >= horizon}
-        self._forget_above = max(4096, 2 * len(self._rates))
+        cold = {k: v for k, v in rates.items() if v[0] >= horizon and k not in resident}
+        limit = max(4096, 8 * len(resident))
+        if len(cold) > limit:
+            cold = dict(heapq.nlargest(limit, cold.items(), key=lambda item: item[1][0]))
+        cold.update((k, rates[k]) for k in resident if k in rates)
+        self._rates = cold
+        self._forget_above = max(4096, 2 * len(cold))
 
     def _log_rate(self, entry: PolicyEntry, ranking: int) -> float:
         """log2 of the decayed rate, shifted by ``+ tick / half_life`` (time-invariant)."""
@@ -369,6 +377,17 @@ class CostAware(_Ranked):
 
     def _rank(self, entry: PolicyEntry, size: int, ranking: int) -> float:
         return self._log_rate(entry, ranking) + math.log2(max(entry.cost, 1e-6) / max(size, 1))
+
+    def _log_value(self, entry: PolicyEntry) -> float:
+        """log2 of ``_value`` (which underflows for entries long unrequested)."""
+        known = self._rates.get((entry.cache, entry.key))
+        ranking = self._ranking
+        half = self._halves[ranking]
+        if known is None:
+            log_rate = (entry.last_request - self._now) / half
+        else:
+            log_rate = math.log2(known[ranking + 1]) + (known[0] - self._now) / half
+        return log_rate + math.log2(max(entry.cost, 1e-6))
 
     def _value(self, entry: PolicyEntry) -> float:
         """Expected reload cost of evicting ``entry`` now (decayed rate x cost)."""
@@ -391,7 +410,14 @@ class CostAware(_Ranked):
             with closing(self._lowest(shortfall)) as lowest:
                 taken = _take_covering(lowest, shortfall, self.candidates)
             pool = [entry for _, entry in taken]
-        return _cheapest_cover(pool, shortfall, self._value)
+        if not pool:
+            return []
+        # Values relative to the least, from their logs: the choice depends on
+        # their ratios only, and absolute values of entries long unrequested
+        # underflow to 0.0, where they would all tie.
+        logs = {entry: self._log_value(entry) for entry in pool}
+        least = min(logs.values())
+        return _cheapest_cover(pool, shortfall, lambda e: 2.0 ** min(logs[e] - least, 1000.0))
 
 
 def _take_covering(
