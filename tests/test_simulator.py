@@ -274,9 +274,39 @@ def test_a_time_limited_optimum_brackets_the_exact_one(
         assert cut.method in ("lp", "milp-bound") and cut.gap is None
 
 
-def test_the_lp_has_no_bracket() -> None:
-    relaxed = offline_bound(spaced("ABCDABCE" * 3), {"default": 30}, exact_limit=0)
-    assert relaxed.method == "lp" and relaxed.upper_seconds is None and relaxed.gap is None
+@settings(deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 7), min_size=1, max_size=80),
+    sizes=st.lists(st.integers(1, 40), min_size=8, max_size=8),
+    loads=st.lists(st.floats(0.1, 20), min_size=8, max_size=8),
+    budget=st.integers(40, 120),
+    two_spaces=st.booleans(),
+)
+def test_the_lp_is_bracketed_by_a_greedy_schedule_around_the_optimum(
+    keys: list[int], sizes: list[int], loads: list[float], budget: int, two_spaces: bool
+) -> None:
+    def size(key: int) -> dict[str, int]:
+        if two_spaces and key % 2:
+            return {"ram": sizes[key], "gpu": sizes[(key + 3) % 8]}
+        return {"ram": sizes[key]}
+
+    trace = [
+        Request(time=float(i), key=f"k{key}", size=size(key), load_seconds=loads[key])
+        for i, key in enumerate(keys)
+    ]
+    room = {"ram": budget, "gpu": budget}
+    exact = offline_bound(trace, room)
+    relaxed = offline_bound(trace, room, exact_limit=0)
+    assert relaxed.method in ("lp", "exact") and relaxed.upper_seconds is not None
+    assert relaxed.reload_seconds <= exact.reload_seconds + 1e-6
+    assert exact.reload_seconds <= relaxed.upper_seconds + 1e-6
+    assert relaxed.gap is not None and 0.0 <= relaxed.gap <= 1.0
+
+
+def test_the_greedy_schedule_is_the_optimum_where_everything_fits() -> None:
+    trace = spaced("ABCDABCE" * 3)
+    relaxed = offline_bound(trace, {"default": 10_000}, exact_limit=0)
+    assert relaxed.upper_seconds == pytest.approx(relaxed.reload_seconds)
 
 
 def test_optimum_with_several_spaces() -> None:

@@ -26,7 +26,9 @@ about 5-10 s. If the solver stops at its time limit, the result is a
 bracket: its proven lower bound and the best solution it found, which a
 policy that knew the future could achieve. Longer traces, or a MILP that
 proved nothing in time, get the LP relaxation: a valid lower bound, looser
-(45% under the optimum there). ``Bound.method`` says which one was computed.
+(45% under the optimum there), bracketed from above by a greedy feasible
+schedule (``greedy_schedule``, after PFOO-U). ``Bound.method`` says which
+one was computed.
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ class Bound:
         solve_seconds: Wall-clock time spent building and solving.
         variables: Gaps between consecutive requests of a key (one variable each).
         rows: Capacity rows after dropping repeats.
-        upper_seconds: The reload time of the best solution found: the optimum
-            itself when exact; with ``"milp-bound"``, the top of the bracket
-            ``[reload_seconds, upper_seconds]`` the optimum lies in (``None``
-            if the solver found no solution in time, and for ``"lp"``).
+        upper_seconds: The reload time of the best schedule found: the optimum
+            itself when exact; otherwise the top of the bracket
+            ``[reload_seconds, upper_seconds]`` the optimum lies in, from the
+            solver's best solution or, failing one, a greedy feasible
+            schedule (``None`` only when the trace is too long and has too
+            many keys even for that).
     """
 
     reload_seconds: float
@@ -203,17 +207,88 @@ def offline_bound(
     if result.status == 0:
         if integral:
             return bound(-result.fun, "exact", -result.fun)
-        return bound(-result.fun, "lp")
+        return bound(-result.fun, "lp", greedy_schedule(requests, budget, result.x))
     dual = getattr(result, "mip_dual_bound", None)
     if integral and dual is not None and math.isfinite(dual):
         best = -result.fun if result.x is not None and math.isfinite(result.fun) else None
+        if best is None:  # no solution found in time: a greedy one tops the bracket
+            best = greedy_schedule(requests, budget)
         return bound(-dual, "milp-bound", best)
-    # The MILP gave no proven bound in time: fall back to the LP relaxation.
+    # The MILP gave no proven bound in time: fall back to the LP relaxation,
+    # with a feasible schedule above it.
     with _quiet_stdout():
         relaxed = milp(-np.asarray(model.gain), bounds=Bounds(0, 1), constraints=constraints)
     if relaxed.status != 0:  # pragma: no cover - an LP with x = 0 feasible always solves
         raise RuntimeError(f"the LP relaxation failed: {relaxed.message}")
-    return bound(-relaxed.fun, "lp")
+    return bound(-relaxed.fun, "lp", greedy_schedule(requests, budget, relaxed.x))
+
+
+def greedy_schedule(
+    requests: Sequence[Request], budget: Mapping[str, int], guide: Sequence[float] | None = None
+) -> float | None:
+    """Reload seconds kept off by a feasible schedule: gaps kept greedily.
+
+    Like PFOO-U (Berger, Beckmann and Harchol-Balter, "Practical Bounds on
+    Optimal Caching with Variable Object Sizes", SIGMETRICS 2018), the gaps
+    between a key's consecutive requests are taken in order and each is kept
+    if it fits beside what is already kept at every request it spans. The
+    order is the LP relaxation's solution when given (``guide``: its value
+    per gap, in the order the model numbers them; the LP keeps whole most
+    gaps the optimum keeps), then reload seconds saved per byte-request the
+    gap would occupy (its bytes, each as a share of its space's budget,
+    times the requests it spans). What is kept fits, so ``base + all gains -
+    kept`` is the reload time of a real schedule: an upper bound of the
+    optimum.
+
+    Returns the reload seconds saved, or ``None`` when checking the gaps
+    would take too long (more than ~10^9 request-spans in all: many keys
+    over a long trace).
+    """
+    import numpy as np
+
+    keys = [(request.cache, request.key) for request in requests]
+    sizes: dict[tuple[str, str], Mapping[str, int]] = {}
+    for key, request in zip(keys, requests, strict=True):
+        sizes.setdefault(key, request.size)
+    spaces = sorted({space for size in sizes.values() for space in size if size[space] > 0})
+    slack = {space: np.full(len(requests), float(budget[space])) for space in spaces}
+    for index, key in enumerate(keys):
+        for space, amount in sizes[key].items():
+            if amount > 0:
+                slack[space][index] -= amount
+    # Gaps in the model's numbering: by the request that opens them.
+    following: dict[tuple[str, str], int] = {}
+    gaps: list[tuple[float, float, int, int, tuple[str, str], float]] = []
+    span_total = 0
+    for index in range(len(requests) - 1, -1, -1):
+        key = keys[index]
+        after = following.get(key)
+        following[key] = index
+        if after is None:
+            continue
+        seconds = requests[after].load_seconds
+        spanned = after - index - 1
+        weight = sum(amount / budget[space] for space, amount in sizes[key].items() if amount > 0)
+        density = math.inf if spanned == 0 or weight == 0 else seconds / (weight * spanned)
+        gaps.append((0.0, density, index, after, key, seconds))
+        span_total += spanned
+    if span_total > 10**9:
+        return None
+    gaps.reverse()
+    if guide is not None and len(guide) == len(gaps):
+        gaps = [(float(x), *gap[1:]) for x, gap in zip(guide, gaps, strict=True)]
+    gaps.sort(key=lambda gap: (-gap[0], -gap[1]))
+    saved = 0.0
+    for _, _, before, after, key, seconds in gaps:
+        held = [(slack[space], amount) for space, amount in sizes[key].items() if amount > 0]
+        if after - before > 1 and any(
+            float(room[before + 1 : after].min()) < amount for room, amount in held
+        ):
+            continue
+        for room, amount in held:
+            room[before + 1 : after] -= amount
+        saved += seconds
+    return saved
 
 
 @contextlib.contextmanager
