@@ -29,7 +29,7 @@ from cachebroker.simulator import (
     replay,
     simulate,
 )
-from cachebroker.simulator._online import _Group, _run, _solve
+from cachebroker.simulator._online import _Group, _run, _Values
 
 pytest.importorskip("numpy")
 
@@ -72,13 +72,14 @@ def test_expected_cost_is_the_least_of_any_online_policy_and_its_own_average(
     sizes, costs, shares, budget, length = instance
     note(f"sizes {sizes} costs {costs} shares {shares} budget {budget} length {length}")
     group = group_of(sizes, costs, shares)
-    tables, expected = _solve(group, {"m": budget}, length)
+    values = _Values(group, {"m": budget}, length)
+    expected = values.expected
     averages = dict.fromkeys(POLICIES, 0.0)
     own = 0.0
     for picks in itertools.product(range(len(sizes)), repeat=length):
         chance = math.prod(shares[k] for k in picks)
         trace = trace_of(picks, sizes, costs)
-        paid = _run(group, tables, trace)
+        paid = _run(group, values, trace)
         own += chance * paid
         # On each trace: never below the offline optimum, which knows the order.
         assert paid >= offline_bound(trace, {"m": budget}).reload_seconds - 1e-9
