@@ -417,24 +417,29 @@ def _print_notes(comparisons: list[Comparison], out: IO[str]) -> None:
     if skipped:
         print(f"online optimum skipped: {skipped}", file=out)
     methods = {c.bound.method for c in comparisons if c.bound is not None}
-    if "milp-bound" in methods:
-        brackets = [
+
+    def brackets(method: str) -> str:
+        tops = [
             f"{c.label} {c.bound.upper_seconds:,.0f} s ({100 * (c.bound.gap or 0):.1f}% above)"
             for c in comparisons
             if c.bound is not None
-            and c.bound.method == "milp-bound"
+            and c.bound.method == method
             and c.bound.upper_seconds is not None
         ]
+        return ": " + ", ".join(tops) if tops else " (none found in time)"
+
+    if "milp-bound" in methods:
         print(
             "bound (milp): the solver hit --bound-time-limit; the figure is its proven lower "
             "bound, and the optimum lies between it and the best schedule found"
-            + (": " + ", ".join(brackets) if brackets else " (none found in time)"),
+            + brackets("milp-bound"),
             file=out,
         )
     if "lp" in methods:
         print(
             "bound (lp): the LP relaxation, a lower bound, looser (the trace is too long for "
-            "the MILP, or it proved nothing within --bound-time-limit)",
+            "the MILP, or it proved nothing within --bound-time-limit); the optimum lies "
+            "between it and a greedy schedule" + brackets("lp"),
             file=out,
         )
     under = [
