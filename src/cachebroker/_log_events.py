@@ -14,6 +14,7 @@ from typing import Final
 HIT: Final = "cachebroker.hit"
 MISS: Final = "cachebroker.miss"
 WAIT: Final = "cachebroker.wait"
+WAIT_LEASE: Final = "cachebroker.wait.lease"
 GRANT: Final = "cachebroker.grant"
 LOAD_START: Final = "cachebroker.load.start"
 LOAD_DONE: Final = "cachebroker.load.done"

@@ -82,6 +82,12 @@ SERIES: Final[tuple[Series, ...]] = (
         "state",
     ),
     Series("waiting_requests", "gauge", "Requests queued for space.", lambda s: s.waiting),
+    Series(
+        "waiting_lease_requests",
+        "gauge",
+        "Requests waiting for a lease slot of a loaded entry (concurrency).",
+        lambda s: s.waiting_for_lease,
+    ),
     Series("hits", "counter", "Acquires served without a load of their own.", lambda s: s.hits),
     Series("misses", "counter", "Acquires that started a load.", lambda s: s.misses),
     Series("loads", "counter", "Loads that finished.", lambda s: s.loads),

@@ -36,6 +36,8 @@ class Stats:
         releases_blocking: Releases that blocked the event loop for longer
             than ``Broker(blocking_warning=...)`` in one step.
         waiting: Requests queued for space.
+        waiting_for_lease: Requests waiting for a lease slot of a loaded entry
+            whose ``concurrency`` is taken (not for space).
         loading: Entries whose load is running.
         ready: Entries loaded and usable (idle or leased).
         leased: Entries with at least one lease.
@@ -66,6 +68,7 @@ class Stats:
     releases_timed_out: int = 0
     releases_blocking: int = 0
     waiting: int
+    waiting_for_lease: int = 0
     loading: int
     ready: int
     leased: int

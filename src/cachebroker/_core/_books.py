@@ -11,6 +11,7 @@ invariants of the package docstring for the entry it touches.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import math
@@ -26,6 +27,7 @@ from .._errors import (
     RequestTooLarge,
 )
 from .._policies import Policy, PolicyBase
+from .._policies._tiers import Tiers
 from .._units import format_bytes
 from . import _aliases, _invariants
 from ._aliases import canonical
@@ -49,6 +51,24 @@ __all__ = ["Core"]
 #: For the hit path: reading a member through its Enum class costs a lookup
 #: through the metaclass (about 70 ns on Python 3.11).
 _READY = State.READY
+
+
+def _factory(policy: Policy) -> Callable[[], Policy]:
+    """Make more of ``policy`` for other priorities: copies of it as it is now (unused)."""
+    try:
+        pristine = copy.deepcopy(policy)
+    except Exception as exc:
+        problem = exc
+
+        def refuse() -> Policy:
+            raise InvalidArgument(
+                f"entries of several priorities need a policy per priority, and the policy "
+                f"{type(policy).__name__} cannot be copied ({problem}); give the broker a "
+                "policy name or a policy that copy.deepcopy can copy"
+            ) from problem
+
+        return refuse
+    return lambda: copy.deepcopy(pristine)
 
 
 def _hook(policy: Policy, name: str) -> Callable[[Entry], None] | None:
@@ -125,6 +145,11 @@ class Core:
         self.canon_names = list(self.spaces)
         self.alias_evidence: dict[frozenset[str], int] = {}
         self.policy = policy
+        #: Priorities: entries of one priority go to ``policy``; once several
+        #: coexist, ``Tiers`` gives each its own policy, made by ``_make_policy``.
+        self._make_policy = _factory(policy)
+        self._tiers: Tiers | None = None
+        self._priority: int | None = None  # the one priority seen, until Tiers
         # Hooks a policy leaves as no-ops are not called at all (LRU's hit path).
         self._touch = _hook(policy, "touch")
         self._busy = _hook(policy, "busy")
@@ -189,12 +214,21 @@ class Core:
 
     # ------------------------------------------------------------------ owners
 
-    def open_owner(self, name: str) -> Owner:
+    def open_owner(
+        self,
+        name: str,
+        *,
+        slots: int | None = None,
+        priority: int = 0,
+        ttl: float | None = None,
+    ) -> Owner:
+        """Open a cache; ``slots``, ``priority`` and ``ttl`` are its entries' defaults."""
         if self.closed:
             raise BrokerClosed("the broker is closed")
         if name in self.owners:
             raise InvalidArgument(f"a cache named {name!r} is already open on this broker")
         owner = self.owners[name] = Owner(name)
+        owner.slots, owner.priority, owner.ttl = slots, priority, ttl
         return owner
 
     def close_owner(self, owner: Owner, error: BaseException) -> None:
@@ -213,6 +247,8 @@ class Core:
                     entry.doomed = Reason.CLOSE
                     self.effects.append(CancelLoad(entry))
             elif entry.state is State.READY:
+                if entry.joiners:  # waiting for a lease slot
+                    self._fail_joiners(entry, _naming(error, entry))
                 self._doom(entry, Reason.CLOSE)
         self._check_empty(owner)
         schedule(self)
@@ -232,6 +268,69 @@ class Core:
             entry.ttl = idle_ttl
         if pin is not None:
             entry.pinned = pin
+
+    def limit(self, entry: Entry, *, slots: int | None = None, priority: int | None = None) -> None:
+        """Set ``entry``'s lease slots and eviction priority (``None``: unchanged).
+
+        More slots grant waiting requests at once; fewer end no lease (the
+        entry takes no new one until its leases fall below the limit).
+        """
+        if priority is not None and priority != entry.priority:
+            entry.priority = priority
+            self._note_priority(entry)
+            if self._tiers is not None:
+                self._tiers.move(
+                    entry,
+                    admitted=entry.state in (State.READY, State.RELEASING),
+                    idle=bool(entry.idle_seq),
+                )
+        if slots is not None and slots != entry.slots:
+            entry.slots = slots
+            if entry.joiners and entry.state is State.READY:
+                self._grant_slots(entry)
+
+    def _note_priority(self, entry: Entry) -> None:
+        """Switch to a policy per priority when ``entry``'s is the second one seen."""
+        if self._tiers is not None or entry.priority == self._priority:
+            return
+        if self._priority is None:
+            self._priority = entry.priority
+            return
+        tiers = self._tiers = Tiers(self._make_policy, self.policy, self._priority)
+        for other in self.entries():
+            if other is not entry and other.state in (State.READY, State.RELEASING):
+                tiers.adopt(other, self._priority, idle=bool(other.idle_seq))
+        if entry.state in (State.READY, State.RELEASING):
+            tiers.adopt(entry, self._priority, idle=bool(entry.idle_seq))
+        self.policy = tiers
+        self._touch, self._busy = tiers.touch, tiers.busy
+        self._admit, self._remove = tiers.admit, tiers.remove
+
+    def _wait_for_slot(self, entry: Entry, task: object) -> Ticket:
+        """Queue ``task`` for a lease slot of a ready entry whose slots are taken."""
+        if entry.holders and all(holder is task for holder in entry.holders):
+            raise DeadlockError(
+                f"acquiring {entry.owner.name}:{entry.key!r} would wait for a lease slot "
+                f"(concurrency={entry.slots}) that only this task's own lease on it can free",
+                [(entry.owner.name, entry.key)],
+            )
+        self._count_request(entry)
+        ticket = Ticket(entry, task)
+        entry.joiners.append(ticket)
+        return ticket
+
+    def _grant_slots(self, entry: Entry) -> None:
+        """Lease a ready entry to the requests waiting for its slots, first come first."""
+        joiners = entry.joiners
+        granted = 0
+        while joiners and (entry.slots is None or entry.leases < entry.slots):
+            ticket = joiners.pop(0)
+            ticket.outcome = True
+            entry.holders.append(ticket.task)
+            entry.leases += 1
+            granted += 1
+        if granted:
+            self.effects.append(Settled(entry))
 
     def unpin(self, owner: Owner, key: Hashable, now: float) -> bool:
         """Make ``key`` an ordinary entry again; returns whether it was pinned."""
@@ -279,12 +378,18 @@ class Core:
         loading: tuple[Entry, ...] = (),
         urgent: bool = False,
         held: tuple[Entry, ...] | None = None,
+        slots: int | None = None,
+        priority: int | None = None,
     ) -> Ticket:
         """Ask for ``key`` on behalf of ``task``; returns a ticket to wait on.
 
-        A ready entry is leased at once (``ticket.outcome is True``). Otherwise
-        the ticket joins the entry's load, creating the entry (and queueing it
-        for space) when there is none to join.
+        A ready entry is leased at once (``ticket.outcome is True``) while it
+        has a free lease slot and nobody waits for one; else the ticket waits
+        for a slot, in arrival order, without asking for space. Otherwise the
+        ticket joins the entry's load, creating the entry (and queueing it for
+        space) when there is none to join. ``slots`` and ``priority`` override
+        the entry's (the latest request's win; a new entry takes its owner's
+        when they are ``None``).
 
         ``need`` is the declared size; ``None`` means "measured after the
         load": the key's remembered size is reserved, and a key never measured
@@ -305,8 +410,9 @@ class Core:
             OutOfSpace: ``need`` fits the budget only once quarantined
                 entries are written off (``forget``).
             DeadlockError: only evicting ``task``'s own leases (or writing
-                off quarantined entries) could make room, or the request waits
-                for a load that waits for it.
+                off quarantined entries) could make room, the request waits
+                for a load that waits for it, or for a lease slot that only
+                ``task`` itself could free.
             BrokerClosed: the owner is closing.
         """
         if owner.closing:
@@ -316,7 +422,11 @@ class Core:
         entry = owner.entries.get(key)
         if entry is not None and entry.state is State.RELEASING:
             entry = entry.successor
+        if entry is not None and (slots is not None or priority is not None):
+            self.limit(entry, slots=slots, priority=priority)
         if entry is not None and entry.state is State.READY:
+            if entry.slots is not None and (entry.joiners or entry.leases >= entry.slots):
+                return self._wait_for_slot(entry, task)
             self.hit(entry, task)
             ticket = Ticket(entry, task)
             ticket.outcome = True
@@ -333,7 +443,9 @@ class Core:
             mine = self._leased_by(task, need, queued=bool(self.queue), held=held)
             self._check_deadlock(owner, key, need, mine)
             urgent = unknown and (urgent or bool(loading) or self._holds_any(task))
-            entry = self._create(owner, key, need, unknown=unknown, urgent=urgent)
+            entry = self._create(
+                owner, key, need, unknown=unknown, urgent=urgent, slots=slots, priority=priority
+            )
             entry.declared_cost = cost
             self._count_request(entry)
         else:
@@ -400,8 +512,16 @@ class Core:
         *,
         unknown: bool = False,
         urgent: bool = False,
+        slots: int | None = None,
+        priority: int | None = None,
     ) -> Entry:
         entry = Entry(owner, key, need)
+        if slots is not None:
+            entry.slots = slots
+        if priority is not None:
+            entry.priority = priority
+        if entry.priority != self._priority:
+            self._note_priority(entry)
         current = owner.entries.get(key)
         if current is not None and current.state is State.RELEASING:
             entry.after = current
@@ -679,11 +799,13 @@ class Core:
                 owner.entries[entry.key] = entry
         if rejected is not None:
             self._fail_joiners(entry, rejected)
-        for ticket in entry.joiners:
+        # Its requesters get leases, up to its slots; the rest wait for one.
+        granted = entry.joiners if entry.slots is None else entry.joiners[: entry.slots]
+        for ticket in granted:
             ticket.outcome = True
             entry.holders.append(ticket.task)
-        entry.leases = len(entry.joiners)
-        entry.joiners = []
+        entry.leases = len(granted)
+        entry.joiners = entry.joiners[len(granted) :]
         self.effects.append(Settled(entry))
         if rejected is not None:
             self._start_release(entry, Reason.REJECTED)
@@ -782,13 +904,15 @@ class Core:
     # ------------------------------------------------------------------ leases
 
     def lease_end(self, entry: Entry, task: object, now: float) -> None:
-        """End one lease of ``task`` on ``entry``."""
+        """End one lease of ``task`` on ``entry``; a request waiting for a slot takes it."""
         entry.leases -= 1
         holders = entry.holders
         try:
             holders.remove(task)
         except ValueError:  # The lease was handed to another task: forget one of the holders.
             holders.pop()
+        if entry.joiners and entry.state is _READY:
+            self._grant_slots(entry)
         if entry.leases == 0:
             if entry.state is not _READY:
                 # Its cache closed while it was leased: quarantined (or written

@@ -47,6 +47,10 @@ def check(books: Core) -> None:
             assert not entry.charge, entry
             assert entry.joiners, f"{entry!r} waits for space on behalf of nobody"
             assert entry.holding == sum(t.holds for t in entry.joiners), entry
+        if entry.state is State.READY and entry.joiners:
+            # Requests wait for a lease slot only while every slot is taken.
+            assert entry.slots is not None and entry.leases >= entry.slots, entry
+            assert all(t.outcome is None and t.entry is entry for t in entry.joiners), entry
         if entry.state is State.READY and not entry.leases and entry.doomed is None:
             # Exactly one of: a candidate, pinned, or idle once the books settle.
             states = (bool(entry.idle_seq), entry.pinned, entry in books._settling)
@@ -92,6 +96,7 @@ STEPS = (
     "hit",
     "invalidate",
     "leave",
+    "limit",
     "let_go",
     "lease_end",
     "load_abandoned",

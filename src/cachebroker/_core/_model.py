@@ -101,7 +101,7 @@ class Space:
 class Owner:
     """A cache: one releaser's namespace of keys."""
 
-    __slots__ = ("closing", "entries", "live", "name")
+    __slots__ = ("closing", "entries", "live", "name", "priority", "slots", "ttl")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -110,6 +110,12 @@ class Owner:
         #: Every entry of this owner not yet gone or quarantined.
         self.live: set[Entry] = set()
         self.closing = False
+        #: Defaults for this owner's new entries (``broker.cache(...)``): lease
+        #: slots (``None``: unlimited), eviction priority, idle TTL (``None``:
+        #: the broker's).
+        self.slots: int | None = None
+        self.priority = 0
+        self.ttl: float | None = None
 
 
 class Ticket:
@@ -165,9 +171,11 @@ class Entry:
         "nested",
         "owner",
         "pinned",
+        "priority",
         "queued_tick",
         "requests",
         "shell",
+        "slots",
         "state",
         "successor",
         "ttl",
@@ -189,7 +197,13 @@ class Entry:
         self.leases = 0
         #: The task of each lease (one item per lease; usually a single one).
         self.holders: list[object] = []
+        #: Tickets waiting on it: for its load while it is waiting or loading;
+        #: for a lease slot (FIFO) while it is ready and ``slots`` are taken.
         self.joiners: list[Ticket] = []
+        #: The most leases it may have at once (``None``: unlimited).
+        self.slots: int | None = owner.slots
+        #: Lower priorities are evicted first, whatever the policy's ranking.
+        self.priority = owner.priority
         self.value: Any = None
         self.error: BaseException | None = None
         self.idle_seq = 0
@@ -203,7 +217,7 @@ class Entry:
         self.last_request = 0
         #: Per-entry idle TTL (``None``: the broker's); pinned entries are never
         #: eviction candidates and never expire while their cache is open.
-        self.ttl: float | None = None
+        self.ttl: float | None = owner.ttl
         self.pinned = False
         #: Why to release it when its last lease ends (invalidated, cleared, closing).
         self.doomed: Reason | None = None

@@ -104,7 +104,9 @@ def schedule(books: Core) -> None:
         elif behind and not entry.holding:  # held back
             blocked.update(need)
         # (Whether idle entries could cover it, first: the usual answer under contention.)
-        elif shortfall is not None and not (coverable and evict(books, shortfall)):
+        elif shortfall is not None and not (
+            coverable and evict(books, shortfall, up_to=entry.priority)
+        ):
             heads = (
                 {name: short for name, short in shortfall.items() if name not in blocked}
                 if behind
@@ -172,7 +174,8 @@ def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
     would never all be idle at once for a waiter at the head of a space.
     Once ``books.fair_requests`` (``FAIR_REQUESTS``) requests have been
     served since the waiter was queued, enough leased entries (least
-    recently requested first, never pinned ones) are doomed to cover its
+    recently requested first, never pinned ones nor ones of a higher
+    priority than the waiter's) are doomed to cover its
     shortfall (``Core._drain``): they give their key up at once (new
     acquires of it queue behind the waiter) and are released when their
     last lease ends.
@@ -190,7 +193,7 @@ def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
                 continue
             if entry.doomed is not None:
                 coming += amount  # released when its last lease ends
-            elif not entry.pinned:
+            elif not entry.pinned and entry.priority <= waiter.priority:
                 candidates.append(entry)
         candidates.sort(key=lambda e: e.last_request)
         for entry in candidates:
@@ -200,16 +203,22 @@ def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
             coming += entry.charge[name]
 
 
-def evict(books: Core, shortfall: dict[str, int], *, partial: bool = False) -> bool:
+def evict(
+    books: Core, shortfall: dict[str, int], *, partial: bool = False, up_to: int | None = None
+) -> bool:
     """Start releasing victims that cover ``shortfall``; False (releasing none) if they cannot.
 
     ``partial``: release what the policy offers even if it falls short (``repay``).
+    ``up_to``: the requester's priority; entries of higher priority are not
+    victims for it (with entries of a single priority, all are of its own).
     ``schedule`` asks only when the idle bytes could cover the whole shortfall
     (``Space.idle_bytes``): otherwise no victims can, and asking would be waste.
     """
     victims: list[Entry] = []
     freed = dict.fromkeys(shortfall, 0)
-    for victim in books.policy.victims(shortfall):
+    tiers = books._tiers
+    chosen = books.policy.victims(shortfall) if tiers is None else tiers.victims(shortfall, up_to)
+    for victim in chosen:
         # A policy sees entries as PolicyEntry: only one of the books' own may come back.
         if (
             not isinstance(victim, Entry)

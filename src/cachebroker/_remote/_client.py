@@ -542,6 +542,8 @@ class Link:
                 # loader, or by a task holding a lease) must pass the daemon's too.
                 "urgent": unknown and entry is not core._unknown,
                 "holding": holding,
+                # The shared broker evicts by it too (as it was when requested).
+                "priority": entry.priority,
             }
         )
 
@@ -668,8 +670,16 @@ class ClientRunner(Runner):
             raise
         return await super().stop(exc_type, exc, tb)
 
-    async def open_block(self, name: str, release: ReleaseFunction) -> Block:
-        block = await super().open_block(name, release)
+    async def open_block(
+        self,
+        name: str,
+        release: ReleaseFunction,
+        *,
+        slots: int | None = None,
+        priority: int = 0,
+        ttl: float | None = None,
+    ) -> Block:
+        block = await super().open_block(name, release, slots=slots, priority=priority, ttl=ttl)
         assert self.link is not None
         self.link.post({"op": "open", "cache": name})
         return block

@@ -336,10 +336,13 @@ class Connection:
         if not isinstance(holding, list) or not all(type(i) is int for i in holding):
             raise ProtocolError(f"'acquire' message: 'holding' is {holding!r}")
         held = tuple(mirror for mirror in map(self.mirrors.get, holding) if mirror is not None)
+        priority = message.get("priority", 0)
+        if type(priority) is not int:
+            raise ProtocolError(f"'acquire' message: 'priority' is {priority!r}")
         mirror = self.mirrors[id] = _Mirror(id, key, space)
         assert self.tg is not None
         self.tg.start_soon(
-            self._acquire, mirror, cache, need, cost, bool(message.get("urgent")), held
+            self._acquire, mirror, cache, need, cost, bool(message.get("urgent")), held, priority
         )
 
     async def _acquire(
@@ -350,6 +353,7 @@ class Connection:
         cost: float | None,
         urgent: bool,
         holding: tuple[_Mirror, ...],
+        priority: int = 0,
     ) -> None:
         block = mirror.space.block
         assert block is not None
@@ -374,6 +378,7 @@ class Connection:
                     None,
                     urgent=urgent,
                     held=held,
+                    priority=priority,
                 )
             except Exception as exc:
                 loaded = block.owner.entries.get(mirror.key)

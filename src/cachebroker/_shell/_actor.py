@@ -134,14 +134,26 @@ class Actor(Protocol):
         measure: Callable[[Any], Any] | None,
         cost: float | None,
         timeout: float | None,
+        *,
+        slots: int | None = None,
+        priority: int | None = None,
     ) -> tuple[Entry, object]:
-        """Acquire ``key`` when it is not ready (a miss, or a join): the entry and its holder."""
+        """Acquire ``key`` when it is not ready, or limited (a miss, a join, a slot wait):
+        the entry and its holder."""
 
     async def await_releases(self, entries: list[Entry]) -> EvictionReport:
         """Wait for the releases of ``entries`` to be acknowledged (or to fail)."""
 
-    async def open_block(self, name: str, release: ReleaseFunction) -> Block:
-        """Open cache ``name``, its entries released through ``release``."""
+    async def open_block(
+        self,
+        name: str,
+        release: ReleaseFunction,
+        *,
+        slots: int | None = None,
+        priority: int = 0,
+        ttl: float | None = None,
+    ) -> Block:
+        """Open cache ``name``, its entries released through ``release``, with their defaults."""
 
     async def close_block(
         self,

@@ -32,6 +32,9 @@ from ._config import (
     Releaser,
     alias_groups,
     env_arguments,
+    eviction_priority,
+    lease_slots,
+    non_negative_seconds,
     oom_error_types,
     positive_seconds,
     remembered_sizes,
@@ -276,7 +279,13 @@ class Broker:
         return await self._runner.stop(exc_type, exc, tb)
 
     def cache(
-        self, name: str, releaser: Releaser | ReleaseFunction
+        self,
+        name: str,
+        releaser: Releaser | ReleaseFunction,
+        *,
+        concurrency: int | None = None,
+        idle_ttl: float | None = None,
+        priority: int = 0,
     ) -> AbstractAsyncContextManager[Cache]:
         """Open a plugin's view of the broker: ``async with broker.cache(name, releaser) as cache``.
 
@@ -287,10 +296,22 @@ class Broker:
         is not a cancellation point of its own; leaving is shielded up to
         ``release_timeout``, so the entries are released even when the block
         is cancelled.
+
+        The keyword arguments are this cache's defaults for its entries, which
+        an acquire may override (see ``Cache.acquire``): ``concurrency``, the
+        most leases on one entry at once (``None``: unlimited; 1 for a backend
+        that must not be called twice at once); ``idle_ttl``, seconds an entry
+        may stay idle (``None``: the broker's); ``priority``, the eviction
+        priority (lower is evicted first).
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"cache name must be a non-empty string, got {name!r}")
-        return _CacheBlock(self._runner, name, resolve_releaser(releaser))
+        slots = None if concurrency is None else lease_slots(concurrency)
+        ttl = (
+            None if idle_ttl is None else non_negative_seconds(idle_ttl, "idle_ttl", allow_inf=True)
+        )
+        defaults = (slots, eviction_priority(priority), ttl)
+        return _CacheBlock(self._runner, name, resolve_releaser(releaser), defaults)
 
     # -------------------------------------------------------- operations
 
@@ -396,6 +417,9 @@ class Broker:
         for entry in core.entries():
             counts[entry.state] += 1
         waiting = sum(len(entry.joiners) for entry in core.queue)
+        waiting_for_lease = sum(
+            len(entry.joiners) for entry in core.busy if entry.state is State.READY
+        )
         return Stats(
             entries=counts[State.LOADING]
             + counts[State.READY]
@@ -418,6 +442,7 @@ class Broker:
             releases_timed_out=self._runner.release_timeouts,
             releases_blocking=self._runner.releases_blocking,
             waiting=waiting,
+            waiting_for_lease=waiting_for_lease,
             loading=counts[State.LOADING],
             ready=counts[State.READY],
             leased=sum(1 for entry in core.busy if entry.leases),

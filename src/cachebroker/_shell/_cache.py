@@ -19,6 +19,8 @@ from .._sizes import parse_size
 from ._config import (
     ReleaseFunction,
     SizeSpec,
+    eviction_priority,
+    lease_slots,
     non_negative_seconds,
     positive_seconds,
 )
@@ -38,18 +40,29 @@ _PLAIN = frozenset({int, str})
 class _CacheBlock:
     """The async context manager returned by ``Broker.cache``."""
 
-    __slots__ = ("_actor", "_block", "_name", "_releaser")
+    __slots__ = ("_actor", "_block", "_defaults", "_name", "_releaser")
 
-    def __init__(self, actor: Actor, name: str, releaser: ReleaseFunction) -> None:
+    def __init__(
+        self,
+        actor: Actor,
+        name: str,
+        releaser: ReleaseFunction,
+        defaults: tuple[int | None, int, float | None] = (None, 0, None),
+    ) -> None:
         self._actor = actor
         self._name = name
         self._releaser = releaser
+        #: (concurrency, priority, idle_ttl) of the cache's entries by default.
+        self._defaults = defaults
         self._block: Block | None = None
 
     async def __aenter__(self) -> Cache:
         actor = self._actor
         actor.check_running()
-        block = self._block = await actor.open_block(self._name, self._releaser)
+        slots, priority, ttl = self._defaults
+        block = self._block = await actor.open_block(
+            self._name, self._releaser, slots=slots, priority=priority, ttl=ttl
+        )
         return Cache(actor, block)
 
     async def __aexit__(
@@ -106,6 +119,8 @@ class Cache:
         cost: float | None = None,
         idle_ttl: float | None = None,
         pin: bool = False,
+        concurrency: int | None = None,
+        priority: int | None = None,
     ) -> Lease[T]: ...
 
     @overload
@@ -120,6 +135,8 @@ class Cache:
         cost: float | None = None,
         idle_ttl: float | None = None,
         pin: bool = False,
+        concurrency: int | None = None,
+        priority: int | None = None,
     ) -> Lease[T]: ...
 
     def acquire(
@@ -133,6 +150,8 @@ class Cache:
         cost: float | None = None,
         idle_ttl: float | None = None,
         pin: bool = False,
+        concurrency: int | None = None,
+        priority: int | None = None,
     ) -> Lease[Any]:
         """Lease the value of ``key``, loading it first if needed.
 
@@ -170,11 +189,24 @@ class Cache:
             pin: Keep the entry resident regardless of policy and idle time
                 while this cache is open (until ``unpin(key)``). It is still
                 released by ``invalidate``, ``clear`` and closing the cache.
+            concurrency: At most this many leases on the entry at once (1: a
+                per-model mutex, for a backend that must not be called twice
+                at once); more acquirers wait for a lease slot, first come
+                first served, without loading or evicting anything. ``None``:
+                the cache's default (``broker.cache(..., concurrency=)``,
+                unlimited unless set). The latest acquire's setting wins.
+            priority: The entry's eviction priority: idle entries of lower
+                priority are evicted before any of higher priority, whatever
+                the policy's ranking, and a request never evicts entries of a
+                higher priority than its own (it waits instead). ``None``: the
+                cache's default (0 unless set). The latest acquire's setting wins.
 
         Raises:
             RequestTooLarge: the size exceeds a space's whole budget.
-            DeadlockError: room could only be made by evicting leases this task holds.
-            AcquireTimeout: ``timeout`` expired.
+            DeadlockError: room could only be made by evicting leases this task
+                holds, or the lease slots it waits for are all this task's own.
+            AcquireTimeout: ``timeout`` expired (``waiting_for`` says for what:
+                ``"space"``, ``"load"``, ``"release"`` or ``"lease"``).
             BrokerClosed: the cache or the broker is closed.
 
         Cancellation: cancelling the caller while it waits withdraws its request;
@@ -195,7 +227,14 @@ class Cache:
         if timeout is not None:
             timeout = positive_seconds(timeout, "timeout", inf_is_none=True)
         lease: Lease[Any]
-        if cost is None and idle_ttl is None and pin is False and measure is None:
+        if (
+            cost is None
+            and idle_ttl is None
+            and pin is False
+            and measure is None
+            and concurrency is None
+            and priority is None
+        ):
             lease = Lease()  # The hit path's usual call.
         else:
             if cost is not None:
@@ -212,9 +251,16 @@ class Cache:
                 raise TypeError(
                     "give the measurement once: either size=callable or measure=callable, not both"
                 )
+            if concurrency is not None:
+                concurrency = lease_slots(concurrency)
+            if priority is not None:
+                priority = eviction_priority(priority)
             tuned: _Tuned[Any] = _Tuned()
             tuned._cost = cost
             tuned._measure = measure
+            tuned._limits = (
+                None if concurrency is None and priority is None else (concurrency, priority)
+            )
             #: ``(idle_ttl, pin)`` for the entry once acquired, if either was given.
             tuned._options = None if idle_ttl is None and not pin else (idle_ttl, pin)
             lease = tuned
@@ -298,8 +344,10 @@ class Cache:
         timeout: float | None,
         cost: float | None = None,
         measure: Callable[[Any], Any] | None = None,
+        limits: tuple[int | None, int | None] | None = None,
     ) -> tuple[Entry, object]:
-        """Acquire ``key`` when it is not ready (a miss, or a join): the entry and its holder."""
+        """Acquire ``key`` when it is not ready (a miss, a join), or with limits: the
+        entry and its holder."""
         actor = self._actor
         actor.refresh_trace()  # see Runner.__init__
         self._find(key)  # an unhashable key is an InvalidKey
@@ -313,4 +361,7 @@ class Cache:
                 need = parse_size(size, actor.budget)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"acquiring {self.name}:{key!r}: {exc}") from None
-        return await actor.request(self._owner, key, load, need, measure, cost, timeout)
+        slots, priority = (None, None) if limits is None else limits
+        return await actor.request(
+            self._owner, key, load, need, measure, cost, timeout, slots=slots, priority=priority
+        )

@@ -99,6 +99,24 @@ def non_negative_seconds(value: object, what: str, *, allow_inf: bool = False) -
     return float(value)
 
 
+def lease_slots(value: object, what: str = "concurrency") -> int:
+    """``value`` as a number of lease slots on one entry: an int of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{what} must be a whole number of leases (1 for one at a time), got {value!r}"
+        )
+    if value < 1:
+        raise InvalidArgument(f"{what} must be at least 1 lease at a time, got {value!r}")
+    return int(value)
+
+
+def eviction_priority(value: object, what: str = "priority") -> int:
+    """``value`` as an eviction priority: any int (lower is evicted first)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int (lower is evicted first), got {value!r}")
+    return int(value)
+
+
 def positive_seconds(value: object, what: str, *, inf_is_none: bool = False) -> float | None:
     """``value`` as positive seconds; ``None`` (and ``math.inf`` where allowed) for "no limit"."""
     if value is None:

@@ -69,6 +69,8 @@ class Lease(Generic[T_co]):
     # their defaults are read from the class (``_Tuned`` carries them).
     _cost: float | None = None
     _measure: Callable[[Any], Any] | None = None
+    #: ``(concurrency, priority)`` given to the acquire (``_Tuned``).
+    _limits: tuple[int | None, int | None] | None = None
 
     # No __init__: ``Cache.acquire`` fills the fields in (``Lease()`` costs less than a call
     # to __init__, and the hit path builds one lease per call).
@@ -108,7 +110,12 @@ class Lease(Generic[T_co]):
                 entry = cache._entries.get(self.key)
             except TypeError:
                 entry = None  # _acquire_slow raises InvalidKey
-            if entry is not None and entry.state is _READY and not cache._owner.closing:
+            if (
+                entry is not None
+                and entry.state is _READY
+                and entry.slots is None
+                and not cache._owner.closing
+            ):
                 current_task = actor.current_task  # (an attribute: a method lookup costs more)
                 task = current_task()
                 actor.core.hit(entry, task)
@@ -116,7 +123,13 @@ class Lease(Generic[T_co]):
                     actor.log.debug(ev.HIT, cache=cache.name, key=self.key)
             else:
                 slow = cache._acquire_slow(
-                    self.key, self._load, self._size, self._timeout, self._cost, self._measure
+                    self.key,
+                    self._load,
+                    self._size,
+                    self._timeout,
+                    self._cost,
+                    self._measure,
+                    self._limits,
                 )
                 entry, task = yield from slow.__await__()
         except BaseException:
@@ -215,15 +228,29 @@ class Lease(Generic[T_co]):
 
 
 class _Tuned(Lease[T_co]):
-    """A ``Lease`` whose acquire was given ``cost``, ``measure``, ``idle_ttl`` or ``pin``."""
+    """A ``Lease`` whose acquire was given ``cost``, ``measure``, ``idle_ttl``, ``pin``,
+    ``concurrency`` or ``priority``."""
 
-    __slots__ = ("_cost", "_measure", "_options")
+    __slots__ = ("_cost", "_limits", "_measure", "_options")
 
     if TYPE_CHECKING:
         #: ``(idle_ttl, pin)`` for the entry once acquired, if either was given.
         _options: tuple[float | None, bool] | None
 
     def __await__(self) -> Generator[Any, Any, Lease[T_co]]:
+        if self._limits is not None:
+            # The books apply them before granting: to an entry loaded already
+            # now (a hit of a limited entry then takes the slow path), to a new
+            # one as the request creates it.
+            actor = self._cache._actor
+            try:
+                entry = self._cache._entries.get(self.key)
+            except TypeError:
+                entry = None  # the acquire raises InvalidKey
+            if entry is not None and entry.state is _READY and get_ident() == actor.thread:
+                slots, priority = self._limits
+                actor.core.limit(entry, slots=slots, priority=priority)
+                actor.apply()
         lease = yield from super().__await__()
         if self._options is not None and self._entry is not None:
             idle_ttl, pin = self._options

@@ -316,9 +316,17 @@ class Runner:
             suppressed = await _backend.exit_task_group(tg, exc_type, exc, tb)
         return suppressed
 
-    async def open_block(self, name: str, release: ReleaseFunction) -> Block:
-        """Open cache ``name``: its owner in the books, its task group."""
-        owner = self.core.open_owner(name)
+    async def open_block(
+        self,
+        name: str,
+        release: ReleaseFunction,
+        *,
+        slots: int | None = None,
+        priority: int = 0,
+        ttl: float | None = None,
+    ) -> Block:
+        """Open cache ``name``: its owner in the books (with its defaults), its task group."""
+        owner = self.core.open_owner(name, slots=slots, priority=priority, ttl=ttl)
         tg = anyio.create_task_group()
         try:
             await tg.__aenter__()
@@ -1114,8 +1122,11 @@ class Runner:
         *,
         urgent: bool = False,
         held: tuple[Entry, ...] | None = None,
+        slots: int | None = None,
+        priority: int | None = None,
     ) -> tuple[Entry, object]:
-        """Acquire ``key`` when it is not ready (a miss, or a join): the entry and its holder.
+        """Acquire ``key`` when it is not ready, or limited (a miss, a join, a slot wait):
+        the entry and its holder.
 
         ``Cache._acquire_slow`` checked the arguments and parsed ``need``;
         ``urgent`` and ``held`` are for a request relayed from another process
@@ -1129,7 +1140,16 @@ class Runner:
         if self._dropped:
             self._end_dropped()  # before their holder is taken to hold them still
         ticket = core.request(
-            owner, key, need, task, cost=cost, loading=_LOADING.get(), urgent=urgent, held=held
+            owner,
+            key,
+            need,
+            task,
+            cost=cost,
+            loading=_LOADING.get(),
+            urgent=urgent,
+            held=held,
+            slots=slots,
+            priority=priority,
         )
         entry = ticket.entry
         if entry.state is State.WAITING and task in self._releasing_tasks:
@@ -1146,6 +1166,10 @@ class Runner:
             self.log.debug(ev.HIT, cache=name, key=key)
             await anyio.lowlevel.checkpoint()
             return entry, task
+        if entry.state is State.READY:  # waits for a lease slot
+            self.log.debug(ev.WAIT_LEASE, cache=name, key=key, concurrency=entry.slots)
+            self.apply()
+            return await self._wait(ticket, timeout)
         if entry.shell is None:
             entry.shell = _Slot(load, measure, self.clock())
             self.log.debug(ev.MISS, cache=name, key=key, bytes=need)
@@ -1195,7 +1219,23 @@ class Runner:
 
     def _waiting_for(self, entry: Entry) -> tuple[str | None, str]:
         """What a request of ``entry`` waits for: ``AcquireTimeout.waiting_for``, and in words."""
-        return _waiting_for(entry)
+        waiting_for, what = _waiting_for(entry)
+        if waiting_for == "space" and not entry.gated:
+            above = {
+                name: sum(
+                    other.charge.get(name, 0)
+                    for other in self.core.entries()
+                    if other.idle_seq and other.priority > entry.priority
+                )
+                for name in entry.need
+            }
+            shown = ", ".join(f"{format_bytes(n)} in {s!r}" for s, n in above.items() if n)
+            if shown:
+                what += (
+                    f"; idle entries of a higher priority than its {entry.priority} hold "
+                    f"{shown}, and a request does not evict those"
+                )
+        return waiting_for, what
 
 
 class _TimedSteps:
@@ -1234,6 +1274,11 @@ def _waiting_for(entry: Entry) -> tuple[str | None, str]:
     """What a request of ``entry`` still waits for: ``AcquireTimeout.waiting_for``, and in words."""
     if entry.state is State.LOADING:
         return "load", "its load to finish"
+    if entry.state is State.READY:
+        return "lease", (
+            f"a lease slot: concurrency={entry.slots}, {entry.leases} lease(s) held, "
+            f"{len(entry.joiners)} request(s) waiting"
+        )
     if entry.state is not State.WAITING:
         return None, f"the entry, which was {entry.state.value}"
     if entry.after is not None:
