@@ -84,8 +84,9 @@ class AcquireTimeout(BrokerError, TimeoutError):
         entry: The entry it was about, as ``cache:key`` (``None`` when unknown).
         waiting_for: What the request still waited for: ``"space"`` (admission:
             other entries had to be released first; worth retrying later),
-            ``"load"`` (the entry's load, shared with other requesters), or
-            ``"release"`` (the key's previous value was being released);
+            ``"load"`` (the entry's load, shared with other requesters),
+            ``"release"`` (the key's previous value was being released), or
+            ``"lease"`` (a lease slot of the loaded entry: ``concurrency=``);
             ``None`` when unknown.
     """
 
