@@ -28,6 +28,8 @@ SOURCE = str(Path(cachebroker.__file__).resolve().parent.parent)
 
 #: What importing cachebroker, or running a command but ``simulate``, must not load.
 HEAVY = ("cachebroker.simulator", "scipy", "matplotlib", "prometheus_client")
+#: What cachebroker.sizes reads or weighs without importing.
+FRAMEWORKS = ("torch", "safetensors", "gguf", "numpy")
 
 
 def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -105,8 +107,8 @@ print("\\nLOADED " + json.dumps({"status": status, "heavy": loaded()}))
 """
 
 
-def loaded_by(*args: str) -> list[str]:
-    result = run_python(LOADED, ",".join(HEAVY), *args)
+def loaded_by(*args: str, watched: tuple[str, ...] = HEAVY) -> list[str]:
+    result = run_python(LOADED, ",".join(watched), *args)
     assert result.returncode == 0, result.stdout + result.stderr
     last = result.stdout.rstrip().rpartition("\n")[2]
     assert last.startswith("LOADED "), result.stdout + result.stderr
@@ -126,3 +128,11 @@ def test_the_demo_command_does_not_load_the_simulator() -> None:
 
 def test_the_check_sees_the_simulator_when_it_is_loaded() -> None:
     assert "cachebroker.simulator" in loaded_by("import", "cachebroker.simulator")
+
+
+def test_import_cachebroker_sizes_loads_no_framework_and_nothing_heavy() -> None:
+    assert loaded_by("import", "cachebroker.sizes", watched=HEAVY + FRAMEWORKS) == []
+
+
+def test_the_check_sees_a_framework_when_it_is_loaded() -> None:
+    assert "numpy" in loaded_by("import", "numpy", watched=FRAMEWORKS)

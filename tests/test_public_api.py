@@ -42,6 +42,7 @@ PUBLIC_MODULES = (
     "cachebroker.simulator",
     "cachebroker.metrics",
     "cachebroker.probes",
+    "cachebroker.sizes",
     "cachebroker.ray",
 )
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -1,12 +1,13 @@
 """PyTorch: a plugin that loads real ``torch.nn`` modules and gives their memory back.
 
 Each model reserves an estimate before it loads (``size=``, from its
-configuration, as a model card's parameter count would give it) and is then
-measured by its parameters' and buffers' bytes on the device it was loaded to
-(``measure=``), which corrects the books. Its release drops the module and,
-on CUDA, returns the cached blocks with ``torch.cuda.empty_cache()``; the
-blocking parts of both run in a worker thread, off the event loop. Runs on CPU
-(and on a GPU when one is present):
+configuration, as a model card's parameter count would give it, or from its
+checkpoint with ``cachebroker.sizes.weights_bytes``) and is then measured by
+its parameters' and buffers' bytes on the device it was loaded to
+(``measure=cachebroker.sizes.torch_bytes``), which corrects the books. Its
+release drops the module and, on CUDA, returns the cached blocks with
+``torch.cuda.empty_cache()``; the blocking parts of both run in a worker
+thread, off the event loop. Runs on CPU (and on a GPU when one is present):
 
     pip install -e . torch    # in a checkout of cachebroker
     python docs/examples/torch_plugin.py
@@ -29,15 +30,15 @@ import torch
 from torch import nn
 
 import cachebroker
+from cachebroker.sizes import torch_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPACE = "cuda:0" if DEVICE == "cuda" else "ram"
 
 
 def model_bytes(module: nn.Module) -> int:
-    """What a module weighs: its parameters and buffers."""
-    tensors = [*module.parameters(), *module.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """What a module weighs in SPACE: its parameters and buffers there."""
+    return torch_bytes(module).get(SPACE, 0)
 
 
 def estimate(width: int) -> int:
@@ -92,7 +93,7 @@ async def main() -> TorchPlugin:
                     name,
                     load=functools.partial(plugin.load, name, width),
                     size={SPACE: estimate(width)},  # reserved before the load runs
-                    measure=lambda model: {SPACE: model_bytes(model)},  # then corrected
+                    measure=torch_bytes,  # then corrected: {SPACE: parameters + buffers}
                 ) as lease:
                     with torch.no_grad():
                         out = lease.value(torch.ones(1, width, device=DEVICE))
