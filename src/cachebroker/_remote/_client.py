@@ -397,6 +397,8 @@ class Link:
             message: dict[str, Any] = {"op": "report", "id": self.ids[entry], "state": now}
             if told == "loading":
                 message["charge"] = core.charges.pop(entry, None)
+                # (for ``cachebroker ps``; a daemon that does not know the field ignores it)
+                message["loads"] = core.load_history.get((entry.cache, entry.key), (0, 0.0))[0]
             if now in _LETTING_GO:
                 reason = core.reasons.get(entry)
                 if reason is not None:
