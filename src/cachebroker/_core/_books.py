@@ -446,8 +446,10 @@ class Core:
 
     def _retune(self, entry: Entry, idle_ttl: float | None, pin: bool, now: float) -> None:
         """Apply a prefetch's ``idle_ttl`` and ``pin`` to a ready entry, without a lease."""
+        if idle_ttl is not None:
+            entry.ttl = idle_ttl
         if entry.leases:  # they apply when its last lease ends
-            self.configure(entry, idle_ttl=idle_ttl, pin=pin or None)
+            entry.pinned = entry.pinned or pin
             return
         # Idle (or about to be): out of the idle books, and back in from now,
         # so that a new idle TTL counts from the prefetch.
@@ -455,7 +457,7 @@ class Core:
             self._unidle(entry)
         elif self._settling.pop(entry, False):
             del self.busy[entry]
-        self.configure(entry, idle_ttl=idle_ttl, pin=pin or None)
+        entry.pinned = entry.pinned or pin
         self._rest(entry, now)
         schedule(self)
 
