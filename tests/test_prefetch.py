@@ -89,7 +89,7 @@ async def never() -> Any:
 async def test_prefetch_loads_the_value_without_holding_a_lease() -> None:
     calls: list[str] = []
     async with checked(budget=100) as broker, broker.cache("p", Recorder()) as cache:
-        assert await cache.prefetch("a", load=counting("A", calls), size=10) is None
+        await cache.prefetch("a", load=counting("A", calls), size=10)
         (entry,) = await broker.entries()
         assert (entry.state, entry.leases, entry.loads, entry.charge) == (
             "ready",
@@ -227,7 +227,7 @@ async def test_a_prefetch_is_refused_as_an_acquire_would_be() -> None:
             with pytest.raises(RequestTooLarge):
                 await cache.prefetch("a", load=never, size=11)
             with pytest.raises(InvalidKey):
-                await cache.prefetch(["a"], load=never, size=1)
+                await cache.prefetch(["a"], load=never, size=1)  # type: ignore[arg-type]
             with pytest.raises(InvalidArgument):
                 await cache.prefetch("a", load=never, size=1, timeout=-1)
             # Only its own lease could make room: a deadlock, not a hang.
