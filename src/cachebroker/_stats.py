@@ -20,7 +20,8 @@ class Stats:
         hits: Acquires served without a load of their own: by a ready entry, or
             by joining a load already in flight.
         misses: Acquires that created a new entry (and so a load).
-        loads: Loads that finished successfully.
+            (``Cache.prefetch`` is no acquire: it counts as neither.)
+        loads: Loads that finished successfully (prefetches' too).
         load_failures: Loads that raised.
         load_seconds: Total time spent in successful loads.
         evictions: Entries released to make room (by accounting or after an
