@@ -16,10 +16,13 @@ import anyio.lowlevel
 import pytest
 
 from cachebroker import (
+    FIFO,
     GDSF,
+    LRU,
     AcquireTimeout,
     Broker,
     BrokerClosed,
+    CostAware,
     DeadlockError,
     InvalidArgument,
     InvalidKey,
@@ -322,6 +325,25 @@ async def test_a_prefetch_is_no_request_for_the_policy() -> None:
         async with cache.acquire("c", load=counting("C", []), size=10, cost=1.0):
             pass
         assert recorder.released == ["a"]
+
+
+@pytest.mark.parametrize("policy", [LRU, FIFO, GDSF, CostAware])
+async def test_prefetches_among_acquires_keep_the_books_exact_under_every_policy(
+    policy: type[LRU | FIFO | GDSF | CostAware],
+) -> None:
+    """Prefetches of new, loaded and evicted keys among acquires, with evictions at
+    every step: every policy takes entries that were never requested, and the
+    books add up after each step (``checked``)."""
+    recorder = Recorder()
+    async with checked(budget=30, policy=policy()) as broker, broker.cache("p", recorder) as cache:
+        for i in range(30):
+            async with cache.acquire(f"k{i % 5}", load=counting(i, []), size=10):
+                pass
+            await cache.prefetch(f"p{i}", load=counting(i, []), size=10)
+            await cache.prefetch(f"k{(i + 1) % 5}", load=counting(i, []), size=10)
+        stats = await broker.stats()
+        assert (stats.hits + stats.misses, stats.used["default"]) == (30, 30)
+        assert len(recorder.released) == stats.loads - 3
 
 
 async def test_prefetch_pins_a_new_entry_and_a_loaded_one() -> None:

@@ -135,6 +135,12 @@ class DaemonBooks(Core):
         if self.wanting:
             self.wanting.pop(entry, None)
 
+    def _remember_load(self, entry: Entry, seconds: float) -> None:
+        """Nothing to count: each of a process's loads is a key of its own here.
+
+        The processes count their loads per key and report the count (``ps``).
+        """
+
 
 class DaemonBroker(Broker):
     """The broker the daemon runs (``DaemonRunner``).
