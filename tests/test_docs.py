@@ -86,3 +86,14 @@ def test_docs_link_to_existing_pages() -> None:
     for page in PAGES:
         for target in re.findall(r"\]\(([^)#]+\.md)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+def test_every_release_reason_is_listed_with_what_triggers_it() -> None:
+    """docs/events.md has one row per ``Reason``, each saying what triggers it."""
+    from cachebroker._core import Reason
+
+    text = (ROOT / "docs" / "events.md").read_text()
+    section = text.split("## Release reasons", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| (.+) \|$", section, re.M))
+    assert sorted(rows) == sorted(reason.value for reason in Reason)
+    assert all(len(trigger) > 20 for trigger in rows.values()), rows

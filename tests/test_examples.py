@@ -52,10 +52,19 @@ async def test_asgi_service_serves_concurrent_models_under_a_tight_budget() -> N
                 assert response.status_code == 200, (key, response.text)
                 assert response.json()["output"].endswith(key[-7:][::-1])
             metrics = (await client.get("/metrics")).text
+            entries = (await client.get("/debug/entries")).json()
     evicted = re.search(r'^cachebroker_evictions_total\{reason="capacity"\} (\S+)$', metrics, re.M)
     assert evicted is not None and float(evicted.group(1)) >= 2
     assert "cachebroker_space_wait_seconds_count" in metrics
     assert service.speech.loaded == set() and service.text.loaded == set()  # closed: released
+    # What the last requests left loaded: idle, within the budget, each loaded once or more.
+    assert entries and all(e["state"] == "ready" and e["leases"] == 0 for e in entries)
+    assert sum(sum(e["bytes"].values()) for e in entries) <= 64 * service.MiB
+    assert {e["cache"] for e in entries} <= {"speech", "text"}
+    assert all(e["loads"] >= 1 and e["idle_seconds"] >= 0 for e in entries)
+    assert [(e["cache"], e["key"]) for e in entries] == sorted(
+        (e["cache"], e["key"]) for e in entries
+    )
 
 
 async def test_asgi_service_answers_broker_errors_with_http_statuses(

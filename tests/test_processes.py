@@ -525,8 +525,9 @@ async def test_a_release_never_acknowledged_is_quarantined_until_its_process_die
 
 @one_backend
 async def test_ps_lists_each_process_entries(procs: Procs) -> None:
-    """``cachebroker ps`` shows, for each entry: pid, cache, key, space, bytes, state;
-    ``--json`` the same as data; with no daemon it exits 1 naming the socket."""
+    """``cachebroker ps`` shows, for each entry: pid, cache, key, space, bytes, state,
+    leases, idle time, requests waiting at the daemon, priority and the process's loads
+    of the key; ``--json`` the same as data; with no daemon it exits 1 naming the socket."""
     with anyio.fail_after(30):
         await procs.daemon("ram=1MB,cuda:0=2MB")
         models = procs.steps(
@@ -546,15 +547,17 @@ async def test_ps_lists_each_process_entries(procs: Procs) -> None:
 
         status, table, _ = await procs.ps()
         assert status == 0
-        assert re.search(r"^PID +CACHE +KEY +SPACE +BYTES +STATE +LEASES +IDLE$", table, re.M)
+        header = r"^PID +CACHE +KEY +SPACE +BYTES +STATE +LEASES +IDLE +WAITING +PRIORITY +LOADS$"
+        assert re.search(header, table, re.M), table
         # One row per entry and space, the entry's columns on its first row only.
         model_rows = (
             rf"^{models.pid} +models +\('model', 7\) +cuda:0 +{format_bytes(250_000)} +ready"
-            rf" +1 +-\n +ram +{format_bytes(1000)}$"
+            rf" +1 +- +0 +0 +1\n +ram +{format_bytes(1000)}$"
         )
         assert re.search(model_rows, table, re.M), table
         vocab_row = (
-            rf"^{tokens.pid} +tokens +'vocab' +ram +{format_bytes(5000)} +ready +0 +[0-9.]+s$"
+            rf"^{tokens.pid} +tokens +'vocab' +ram +{format_bytes(5000)} +ready +0 +[0-9.]+s"
+            r" +0 +0 +1$"
         )
         assert re.search(vocab_row, table, re.M), table
         assert f"ram: {format_bytes(6000)} used of {format_bytes(10**6)}" in table
@@ -575,6 +578,7 @@ async def test_ps_lists_each_process_entries(procs: Procs) -> None:
         )
         vocab = entries[tokens.pid, "tokens", "'vocab'"]
         assert (vocab["charge"], vocab["leases"]) == ({"ram": 5000}, 0)
+        assert (vocab["waiting"], vocab["priority"], vocab["loads"]) == (0, 0, 1)
         assert vocab["idle_seconds"] >= 0
 
         procs.signal("finish")

@@ -173,10 +173,24 @@ def sample(kind: str) -> Any:
         return cachebroker.Broker(budget=100).stats_nowait()
     if kind == "EvictionReport":
         return cachebroker.EvictionReport(entries=1, bytes=60, failed=0)
+    if kind == "EntryInfo":
+        return cachebroker.EntryInfo(
+            cache="p",
+            key=("model", 7),
+            state="ready",
+            charge={"default": 60},
+            leases=0,
+            waiting=0,
+            pinned=False,
+            priority=0,
+            idle_seconds=1.5,
+            loads=2,
+            load_seconds=0.25,
+        )
     return getattr(cachebroker, kind)()
 
 
-SAMPLES = ["Request", "ReplayResult", "Comparison", "Stats", "EvictionReport"]
+SAMPLES = ["Request", "ReplayResult", "Comparison", "Stats", "EvictionReport", "EntryInfo"]
 POLICIES = ["LRU", "FIFO", "GDSF", "CostAware"]
 
 

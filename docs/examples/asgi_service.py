@@ -4,10 +4,11 @@ Run it with any ASGI server, e.g. ``uvicorn asgi_service:app``; the test suite
 drives it in-process with httpx. The "models" are buffers standing in for
 real weights: speech models of 24 MiB and text models of 32 MiB under a 64 MiB
 budget, so concurrent requests for different models must take turns, and
-``/metrics`` shows the evictions. The broker's errors become HTTP statuses
-(``broker_error``): 413 for a model that can never fit, 503 with
-``Retry-After`` for a request that timed out waiting, 503 when memory ran out,
-500 for a deadlock (a bug in the service).
+``/metrics`` shows the evictions; ``/debug/entries`` lists what is loaded
+(``broker.entries()``; keep it on an internal port). The broker's errors
+become HTTP statuses (``broker_error``): 413 for a model that can never fit,
+503 with ``Retry-After`` for a request that timed out waiting, 503 when
+memory ran out, 500 for a deadlock (a bug in the service).
 """
 
 from __future__ import annotations
@@ -110,6 +111,28 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+async def debug_entries(request: Request) -> JSONResponse:
+    """What is loaded, entry by entry (one snapshot of the books), for operators."""
+    broker: cachebroker.Broker = request.app.state.broker
+    return JSONResponse(
+        [
+            {
+                "cache": entry.cache,
+                "key": entry.key,  # (this service's keys are strings)
+                "state": entry.state,
+                "bytes": dict(entry.charge),
+                "leases": entry.leases,
+                "waiting": entry.waiting,
+                "pinned": entry.pinned,
+                "idle_seconds": entry.idle_seconds,
+                "loads": entry.loads,
+                "load_seconds": entry.load_seconds,
+            }
+            for entry in await broker.entries()
+        ]
+    )
+
+
 @asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     async with cachebroker.Broker(budget="64MiB", idle_ttl=300) as broker:
@@ -117,6 +140,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
             async with broker.cache("text", text) as text_cache:
                 app.state.registry = CollectorRegistry()
                 instrument(broker, app.state.registry)
+                app.state.broker = broker
                 app.state.speech, app.state.text = speech_cache, text_cache
                 yield
 
@@ -126,6 +150,7 @@ app = Starlette(
         Route("/transcribe/{model}", transcribe, methods=["POST"]),
         Route("/generate/{model}", generate, methods=["POST"]),
         Route("/metrics", metrics),
+        Route("/debug/entries", debug_entries),
     ],
     lifespan=lifespan,
     exception_handlers={cachebroker.BrokerError: broker_error},

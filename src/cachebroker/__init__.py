@@ -32,6 +32,7 @@ from ._shell import Cache as Cache
 from ._shell import Lease as Lease
 from ._shell import Releaser as Releaser
 from ._sizes import parse_bytes as parse_bytes
+from ._stats import EntryInfo as EntryInfo
 from ._stats import EvictionReport as EvictionReport
 from ._stats import Stats as Stats
 from ._units import format_bytes as format_bytes
@@ -54,6 +55,7 @@ __all__ = (
     "BrokerError",
     "Cache",
     "DeadlockError",
+    "EntryInfo",
     "EvictionReport",
     "InvalidArgument",
     "InvalidKey",

@@ -1,4 +1,4 @@
-"""Read-only snapshots the broker hands out: ``Stats`` and ``EvictionReport``."""
+"""Read-only snapshots the broker hands out: ``Stats``, ``EntryInfo`` and ``EvictionReport``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Hashable, Mapping
 
 import attrs
 
-__all__ = ["EvictionReport", "Stats"]
+__all__ = ["EntryInfo", "EvictionReport", "Stats"]
 
 
 @attrs.frozen(kw_only=True)
@@ -20,7 +20,8 @@ class Stats:
         hits: Acquires served without a load of their own: by a ready entry, or
             by joining a load already in flight.
         misses: Acquires that created a new entry (and so a load).
-        loads: Loads that finished successfully.
+            (``Cache.prefetch`` is no acquire: it counts as neither.)
+        loads: Loads that finished successfully (prefetches' too).
         load_failures: Loads that raised.
         load_seconds: Total time spent in successful loads.
         evictions: Entries released to make room (by accounting or after an
@@ -82,6 +83,47 @@ class Stats:
         """Hits over all acquires (0.0 before the first acquire)."""
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+
+@attrs.frozen(kw_only=True)
+class EntryInfo:
+    """One entry of the books, as ``Broker.entries()`` found it (one snapshot for all).
+
+    Attributes:
+        cache: The name of the cache that owns it.
+        key: Its key, the object given to ``acquire``.
+        state: ``"waiting"`` (queued for space), ``"loading"``, ``"ready"``,
+            ``"releasing"`` or ``"quarantined"`` (its release failed; its
+            bytes stay charged until ``Broker.forget``).
+        charge: Bytes charged against the budget, per space (the declared
+            size until measured; nothing while waiting).
+        leases: Leases held on it.
+        waiting: Requests waiting on it: acquires and prefetches joined to its
+            load (or to its wait for space).
+        pinned: Kept resident regardless of policy and idle time.
+        priority: Its eviction priority (lower is evicted first).
+        idle_seconds: Seconds since its last lease ended, for a ready entry
+            with no lease, where an idle TTL applies to it (the broker's
+            ``idle_ttl`` or the entry's own ``acquire(idle_ttl=...)``,
+            ``math.inf`` included); ``None`` otherwise: the hit path reads no
+            clock when no idle TTL needs it.
+        loads: Loads of this key in this cache that finished, counted across
+            evictions (remembered per key like measured sizes).
+        load_seconds: How long the latest of those loads took; ``None``
+            before the first one finished.
+    """
+
+    cache: str
+    key: Hashable
+    state: str
+    charge: Mapping[str, int]
+    leases: int
+    waiting: int
+    pinned: bool
+    priority: int
+    idle_seconds: float | None
+    loads: int
+    load_seconds: float | None
 
 
 @attrs.frozen(kw_only=True)

@@ -95,6 +95,7 @@ class Core:
         "_holding_waiters",
         "_largest",
         "_overdrawn",
+        "_prefetching",
         "_remove",
         "_seq",
         "_settling",
@@ -112,6 +113,7 @@ class Core:
         "idle_count",
         "idle_ttl",
         "load_failures",
+        "load_history",
         "load_seconds",
         "loads",
         "misses",
@@ -195,6 +197,11 @@ class Core:
         #: Per cache, the largest size measured in each space: what a load of
         #: unknown size reserves.
         self._largest: dict[str, dict[str, int]] = {}
+        #: For each (cache, key) loaded: how many loads finished, and the last
+        #: one's seconds; remembered across evictions, like ``sizes``.
+        self.load_history: dict[tuple[str, Hashable], tuple[int, float]] = {}
+        #: Set during a ``prefetch`` step: the request it makes is not counted.
+        self._prefetching = False
         #: Loads of unknown size waiting for their turn, and the one whose turn it is.
         self._gate: dict[Entry, None] = {}
         self._unknown: Entry | None = None
@@ -361,6 +368,8 @@ class Core:
             self._touch(entry)
 
     def _count_request(self, entry: Entry) -> None:
+        if self._prefetching:
+            return  # a prefetch is no request (see ``prefetch``)
         self.tick += 1
         entry.requests += 1
         entry.last_request = self.tick
@@ -503,6 +512,66 @@ class Core:
             # load task notices must start afresh, not inherit the cancellation.
             self._detach(entry)
             self.effects.append(CancelLoad(entry))
+
+    def prefetch(
+        self,
+        owner: Owner,
+        key: Hashable,
+        need: dict[str, int] | None,
+        task: object,
+        now: float,
+        *,
+        cost: float | None = None,
+        idle_ttl: float | None = None,
+        pin: bool = False,
+        loading: tuple[Entry, ...] = (),
+    ) -> Ticket | None:
+        """Have ``key`` loaded on behalf of ``task``, without counting a request.
+
+        A ready entry is left loaded: ``None``; ``idle_ttl`` and ``pin``, if
+        given, apply to it at once (an idle one rests again from ``now``).
+        Otherwise exactly as ``request`` (the same ticket, the same errors,
+        the same single flight): the ticket is granted a lease when the load
+        ends, which the caller ends at once, applying ``idle_ttl`` and ``pin``
+        first (``configure``).
+
+        Nothing is counted: not the request clock, the entry's requests, a
+        miss, nor the policy's ``touch``. A prefetch predicts demand; it is
+        none, so hit ratios and the policies' request rates stay the
+        requests'. The load itself counts as any load.
+        """
+        if not owner.closing:  # (a closing owner: ``request`` raises)
+            entry = owner.entries.get(key)
+            if entry is not None and entry.state is State.RELEASING:
+                entry = entry.successor
+            if entry is not None and entry.state is State.READY:
+                if idle_ttl is not None or pin:
+                    self._retune(entry, idle_ttl, pin, now)
+                return None
+        misses = self.misses
+        self._prefetching = True
+        try:
+            return self.request(owner, key, need, task, cost=cost, loading=loading)
+        finally:
+            self._prefetching = False
+            self.misses = misses  # (``_create`` counts a miss)
+
+    def _retune(self, entry: Entry, idle_ttl: float | None, pin: bool, now: float) -> None:
+        """Apply a prefetch's ``idle_ttl`` and ``pin`` to a ready entry, without a lease."""
+        if idle_ttl is not None:
+            entry.ttl = idle_ttl
+        if entry.leases:  # they apply when its last lease ends
+            entry.pinned = entry.pinned or pin
+            return
+        # Idle (or about to be): out of the idle books, and back in from now,
+        # so that a new idle TTL counts from the prefetch.
+        if entry.idle_seq:
+            self._unidle(entry)
+        elif self._settling.pop(entry, False):
+            del self.busy[entry]
+        entry.pinned = entry.pinned or pin
+        self._rest(entry, now)
+        schedule(self)
 
     def _create(
         self,
@@ -739,6 +808,14 @@ class Core:
         self._pass_gate(following)
         return True
 
+    def _remember_load(self, entry: Entry, seconds: float) -> None:
+        """Count a finished load of ``entry``'s key, remembered across evictions."""
+        history = self.load_history
+        loads, _ = history.pop((entry.cache, entry.key), (0, 0.0))
+        if len(history) >= REMEMBERED_SIZES:
+            del history[next(iter(history))]  # the key loaded longest ago
+        history[entry.cache, entry.key] = (loads + 1, seconds)
+
     def remember(self, cache: str, key: Hashable, charge: Mapping[str, int]) -> None:
         """Remember the measured size of ``key`` in ``cache`` (space names as given)."""
         sizes = self.sizes
@@ -778,6 +855,7 @@ class Core:
         entry.nested = []
         self.loads += 1
         self.load_seconds += seconds
+        self._remember_load(entry, seconds)
         recharged = False
         if measured is not None:
             self.remember(entry.owner.name, entry.key, measured)
@@ -1379,6 +1457,10 @@ class Core:
             yield from owner.live
         yield from self.orphans
         yield from self.quarantined
+
+    def waiters(self, entry: Entry) -> int:
+        """How many requests wait on ``entry``: those joined to its load (or its queueing)."""
+        return len(entry.joiners)
 
     def check(self) -> None:
         """Assert the invariants of the package docstring (for tests and debugging)."""

@@ -105,6 +105,7 @@ STEPS = (
     "merge_spaces",
     "note_alias_evidence",
     "open_owner",
+    "prefetch",
     "release_done",
     "release_failed",
     "release_refused",

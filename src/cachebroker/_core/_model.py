@@ -219,6 +219,8 @@ class Entry:
         #: eviction candidates and never expire while their cache is open.
         self.ttl: float | None = owner.ttl
         self.pinned = False
+        #: Eviction priority: lower is evicted first (``broker.entries()`` shows it).
+        self.priority = 0
         #: Why to release it when its last lease ends (invalidated, cleared, closing).
         self.doomed: Reason | None = None
         #: A releasing entry this one must wait for, and the reverse link.

@@ -158,6 +158,10 @@ class ClientBooks(Core):
         if pin is not None:
             self.changed(entry)
 
+    def _retune(self, entry: Entry, idle_ttl: float | None, pin: bool, now: float) -> None:
+        Core._retune(self, entry, idle_ttl, pin, now)
+        self.changed(entry)
+
     def unpin(self, owner: Owner, key: Hashable, now: float) -> bool:
         unpinned = Core.unpin(self, owner, key, now)
         entry = owner.entries.get(key)
@@ -209,6 +213,10 @@ class ClientBooks(Core):
         self.changed(entry)
 
     def _quarantine(self, entry: Entry, error: BaseException) -> None:
+        if entry not in self.reasons:
+            # Quarantined with no release started: its cache closed while it was
+            # leased (``abandon``) or while its thread loaded it; the report says so.
+            self.reasons[entry] = entry.doomed or Reason.CLOSE
         Core._quarantine(self, entry, error)
         self.changed(entry)
 
@@ -397,6 +405,8 @@ class Link:
             message: dict[str, Any] = {"op": "report", "id": self.ids[entry], "state": now}
             if told == "loading":
                 message["charge"] = core.charges.pop(entry, None)
+                # (for ``cachebroker ps``; a daemon that does not know the field ignores it)
+                message["loads"] = core.load_history.get((entry.cache, entry.key), (0, 0.0))[0]
             if now in _LETTING_GO:
                 reason = core.reasons.get(entry)
                 if reason is not None:

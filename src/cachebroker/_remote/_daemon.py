@@ -135,6 +135,12 @@ class DaemonBooks(Core):
         if self.wanting:
             self.wanting.pop(entry, None)
 
+    def _remember_load(self, entry: Entry, seconds: float) -> None:
+        """Nothing to count: each of a process's loads is a key of its own here.
+
+        The processes count their loads per key and report the count (``ps``).
+        """
+
 
 class DaemonBroker(Broker):
     """The broker the daemon runs (``DaemonRunner``).
@@ -191,6 +197,7 @@ class _Mirror:
         "holder",
         "id",
         "key",
+        "loads",
         "reason",
         "reported",
         "scope",
@@ -209,6 +216,9 @@ class _Mirror:
         self.charge: dict[str, int] | None = None
         self.reason = Reason.CAPACITY
         self.error = ""
+        #: How many times the process has loaded this key (it says so with the
+        #: load's outcome; ``None`` from a process that does not).
+        self.loads: int | None = None
         #: Set (and renewed) at each report: what a load or a release waits on.
         self.reported = anyio.Event()
         #: The daemon's entry once granted and loaded, and whether (and by whom) it is leased.
@@ -449,6 +459,9 @@ class Connection:
             raise ProtocolError(f"'report' of #{id}, which was never granted")
         if mirror.state == "loading":
             mirror.charge = self._charge(message, state)
+            loads = message.get("loads")
+            if type(loads) is int and loads >= 0:
+                mirror.loads = loads
         mirror.state = state
         if "reason" in message:
             mirror.reason = _REASONS.get(str(message["reason"]), Reason.CAPACITY)
@@ -723,9 +736,10 @@ class Daemon:
     def listing(self, asking: Connection | None = None) -> dict[str, Any]:
         """What ``cachebroker ps`` shows (``asking``: the connection of ``ps`` itself, left out)."""
         runner = self.runner
+        core = runner.core
         now = runner.clock()
         entries = []
-        for entry in runner.core.entries():
+        for entry in core.entries():
             found = self.owners.get(entry.owner)
             if found is None:
                 continue
@@ -743,6 +757,9 @@ class Daemon:
                     "leases": entry.leases,
                     "idle_seconds": round(max(0.0, now - entry.idle_since), 3) if idle else None,
                     "pinned": mirror is not None and mirror.state == "pinned",
+                    "priority": entry.priority,
+                    "waiting": core.waiters(entry),
+                    "loads": None if mirror is None else mirror.loads,
                 }
             )
         return {

@@ -50,7 +50,21 @@ def render(listing: dict[str, Any]) -> str:
     for name, budget in daemon["budget"].items():
         used = daemon["used"].get(name, 0)
         lines.append(f"  {name}: {format_bytes(used)} used of {format_bytes(budget)}")
-    rows = [("PID", "CACHE", "KEY", "SPACE", "BYTES", "STATE", "LEASES", "IDLE")]
+    rows = [
+        (
+            "PID",
+            "CACHE",
+            "KEY",
+            "SPACE",
+            "BYTES",
+            "STATE",
+            "LEASES",
+            "IDLE",
+            "WAITING",
+            "PRIORITY",
+            "LOADS",
+        )
+    ]
     for entry in sorted(listing["entries"], key=lambda e: (e["pid"], e["cache"], e["key"])):
         charge = entry["charge"] or {"-": 0}
         idle = entry["idle_seconds"]
@@ -66,6 +80,10 @@ def render(listing: dict[str, Any]) -> str:
                     (entry["state"] + (" pinned" if entry.get("pinned") else "")) if first else "",
                     str(entry["leases"]) if first else "",
                     ("-" if idle is None else f"{idle:.1f}s") if first else "",
+                    # (not listed by a daemon of an earlier release: "-")
+                    _count(entry.get("waiting")) if first else "",
+                    _count(entry.get("priority")) if first else "",
+                    _count(entry.get("loads")) if first else "",
                 )
             )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -77,6 +95,10 @@ def render(listing: dict[str, Any]) -> str:
     if len(rows) == 1:
         lines.append("(nothing loaded)")
     return "\n".join(lines)
+
+
+def _count(value: object) -> str:
+    return "-" if value is None else str(value)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

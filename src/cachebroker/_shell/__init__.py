@@ -1,7 +1,8 @@
 """The async shell: ``Broker``, ``Cache``, ``Lease`` around the sans-I/O core (``_core``).
 
 - ``_broker``: ``Broker``, the facade: arguments, life cycle, ``cache()``, the
-  operations (``evict_idle``, ``clear``, ``forget``), listeners, stats.
+  operations (``evict_idle``, ``clear``, ``forget``), listeners, stats and
+  ``entries()``.
 - ``_cache``: ``Cache``, a plugin's view, and the block that opens it.
 - ``_lease``: ``Lease``, the hit path (``docs/architecture.md``).
 - ``_actor``: ``Actor``, the one interface ``Cache`` and ``Lease`` use to

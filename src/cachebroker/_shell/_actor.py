@@ -10,8 +10,8 @@ The hit path reads the books directly (``core``, with ``current_task``,
 ``checkpoint``, ``trace`` and ``log``) and ends a lease in one step
 (``core.lease_end``, then ``apply``, ``note_idle``): that is why those are
 attributes and not a method per operation. Everything that may wait goes
-through a coroutine method (``request``, ``await_releases``, ``open_block``,
-``close_block``).
+through a coroutine method (``request``, ``prefetch``, ``await_releases``,
+``open_block``, ``close_block``).
 """
 
 from __future__ import annotations
@@ -140,6 +140,20 @@ class Actor(Protocol):
     ) -> tuple[Entry, object]:
         """Acquire ``key`` when it is not ready, or limited (a miss, a join, a slot wait):
         the entry and its holder."""
+
+    async def prefetch(
+        self,
+        owner: Owner,
+        key: Hashable,
+        load: Callable[[], Any],
+        need: dict[str, int] | None,
+        measure: Callable[[Any], Any] | None,
+        cost: float | None,
+        timeout: float | None,
+        idle_ttl: float | None,
+        pin: bool,
+    ) -> None:
+        """Have ``key`` loaded, holding no lease once it is (``Cache.prefetch``)."""
 
     async def await_releases(self, entries: list[Entry]) -> EvictionReport:
         """Wait for the releases of ``entries`` to be acknowledged (or to fail)."""

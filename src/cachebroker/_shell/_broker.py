@@ -22,7 +22,7 @@ from .._errors import InvalidArgument
 from .._policies import Policy, make_policy
 from .._remote._protocol import resolve_address as _address
 from .._sizes import parse_budget
-from .._stats import EvictionReport, Stats
+from .._stats import EntryInfo, EvictionReport, Stats
 from . import _logging
 from ._cache import Cache, _CacheBlock
 from ._config import (
@@ -396,6 +396,59 @@ class Broker:
         await self._runner.shared_totals()
         return self.stats_nowait()
 
+    async def entries(self) -> list[EntryInfo]:
+        """What the books hold, entry by entry (see ``EntryInfo``): by cache, then key.
+
+        Every entry that holds memory or waits for it: waiting, loading,
+        ready, releasing and quarantined. Keys are ordered by their ``repr``;
+        one key may have two entries (a value still releasing, or
+        quarantined, and the one loading after it): the older comes first.
+        For a broker connected to a shared one (``Broker.connect``), this
+        process's entries (``cachebroker ps`` lists every process's).
+
+        The snapshot is taken in one step; the call is a checkpoint, so it
+        may raise the caller's cancellation, and nothing else.
+
+        .. versionadded:: 0.1.0
+        """
+        await anyio.lowlevel.checkpoint()
+        return self._entries_now()
+
+    def _entries_now(self) -> list[EntryInfo]:
+        """``entries()``'s snapshot, in one step."""
+        core = self._core
+        idle_ttl = self._runner.idle_ttl
+        now: float | None = None
+        infos: list[tuple[str, str, int, EntryInfo]] = []
+        for entry in core.entries():
+            state = entry.state
+            idle = None
+            # Only where an idle TTL applies is the end of a lease timed (``Lease.release``).
+            if (
+                state is State.READY
+                and not entry.leases
+                and (entry.ttl is not None or idle_ttl is not None)
+            ):
+                now = self._runner.clock() if now is None else now
+                idle = max(0.0, now - entry.idle_since)
+            loads, seconds = core.load_history.get((entry.cache, entry.key), (0, None))
+            info = EntryInfo(
+                cache=entry.cache,
+                key=entry.key,
+                state=state.value,
+                charge=dict(entry.charge),
+                leases=entry.leases,
+                waiting=core.waiters(entry),
+                pinned=entry.pinned,
+                priority=entry.priority,
+                idle_seconds=idle,
+                loads=loads,
+                load_seconds=seconds,
+            )
+            infos.append((entry.cache, _key_text(entry.key), -_AGES.index(state), info))
+        infos.sort(key=lambda item: item[:3])
+        return [item[3] for item in infos]
+
     def export_sizes(self) -> dict[str, dict[Hashable, dict[str, int]]]:
         """The measured size of every key measured so far: ``{cache: {key: {space: bytes}}}``.
 
@@ -451,6 +504,19 @@ class Broker:
             quarantined_keys=tuple((entry.owner.name, entry.key) for entry in core.quarantined),
             broker_used=self._runner.shared_used,
         )
+
+
+#: The states an entry goes through, in order: of two entries of one key, the
+#: one further along is the older.
+_AGES = tuple(State)
+
+
+def _key_text(key: Hashable) -> str:
+    """``repr(key)``, which orders ``entries()`` (a key whose ``repr`` fails sorts by its type)."""
+    try:
+        return repr(key)
+    except Exception:
+        return f"<{type(key).__name__}>"
 
 
 def check_running(broker: Broker) -> None:

@@ -8,6 +8,7 @@ the slow path's ``request``, the block's ``open_block`` and ``close_block``.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Hashable
+from threading import get_ident
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -16,6 +17,7 @@ import anyio
 from .._core import Entry
 from .._errors import BrokerClosed, InvalidKey
 from .._sizes import parse_size
+from ._backend import wrong_thread
 from ._config import (
     ReleaseFunction,
     SizeSpec,
@@ -274,6 +276,81 @@ class Cache:
         lease._entry = None
         lease._task = _PENDING
         return lease
+
+    async def prefetch(
+        self,
+        key: Hashable,
+        *,
+        load: Callable[[], Any],
+        size: SizeSpec = None,
+        measure: Callable[[Any], Any] | None = None,
+        timeout: float | None = None,
+        cost: float | None = None,
+        idle_ttl: float | None = None,
+        pin: bool = False,
+    ) -> None:
+        """Load ``key`` into the cache without holding a lease; return once it is loaded.
+
+        The arguments are ``acquire``'s, checked the same way. A key already
+        loaded is not loaded again (``idle_ttl`` and ``pin``, if given, apply
+        to it at once, and an idle one's idle time starts over); one loading
+        is joined, as an acquire joins it. Once loaded, the value is an
+        ordinary idle entry: the policy may evict it for the very next request.
+
+        A prefetch is no request: it counts neither a hit nor a miss in
+        ``stats()`` and the policy is not told of it (a prediction of demand
+        is not demand). Its load counts as any load (``Stats.loads``,
+        ``EntryInfo.loads``).
+
+        Raises:
+            what ``acquire`` raises: the loader's own exception (or
+            ``LoadFailed``), ``AcquireTimeout`` once ``timeout`` expired
+            (waiting for space or for the load), ``RequestTooLarge``,
+            ``OutOfSpace``, ``DeadlockError``, ``BrokerClosed``,
+            ``WrongEventLoop``.
+
+        Cancellation: as for a cancelled acquire: the request is withdrawn,
+        and the load goes on for the other requesters (it is cancelled when
+        the last one leaves). Cancelled once the load ended, the value stays
+        loaded, idle.
+
+        .. versionadded:: 0.1.0
+        """
+        # The checks and errors of acquire's, on a lease that is never awaited.
+        self.acquire(
+            key,
+            load=load,
+            size=size,
+            measure=measure,
+            timeout=timeout,
+            cost=cost,
+            idle_ttl=idle_ttl,
+            pin=pin,
+        )
+        if timeout is not None:
+            timeout = positive_seconds(timeout, "timeout", inf_is_none=True)
+        if cost is not None:
+            cost = non_negative_seconds(cost, "cost")
+        if idle_ttl is not None:
+            idle_ttl = non_negative_seconds(idle_ttl, "idle_ttl", allow_inf=True)
+        actor = self._actor
+        if get_ident() != actor.thread:
+            raise wrong_thread(f"asked to prefetch {self.name}:{key!r}")
+        actor.refresh_trace()
+        self._find(key)  # an unhashable key is an InvalidKey
+        if self._block.closed or not actor.running:
+            raise BrokerClosed(
+                f"cache {self.name!r} is closed: cannot prefetch {self.name}:{key!r}"
+            )
+        if callable(size):
+            measure, size = size, None
+        need = None
+        if size is not None or measure is None:
+            try:
+                need = parse_size(size, actor.budget)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"prefetching {self.name}:{key!r}: {exc}") from None
+        await actor.prefetch(self._owner, key, load, need, measure, cost, timeout, idle_ttl, pin)
 
     async def invalidate(self, key: Hashable) -> bool:
         """Drop ``key``'s value so the next acquire loads afresh.

@@ -1180,6 +1180,68 @@ class Runner:
         self.apply()
         return await self._wait(ticket, timeout)
 
+    async def prefetch(
+        self,
+        owner: Owner,
+        key: Hashable,
+        load: Callable[[], Any],
+        need: dict[str, int] | None,
+        measure: Callable[[Any], Any] | None,
+        cost: float | None,
+        timeout: float | None,
+        idle_ttl: float | None,
+        pin: bool,
+    ) -> None:
+        """Have ``key`` loaded, holding no lease once it is (``Cache.prefetch``).
+
+        As ``request``, from ``Core.prefetch``: no request is counted, and the
+        lease the load's end grants is ended at once.
+        """
+        task = self.current_task()
+        core = self.core
+        if self._probes:
+            self._refresh_probes()
+        if self._dropped:
+            self._end_dropped()
+        ticket = core.prefetch(
+            owner,
+            key,
+            need,
+            task,
+            self.clock(),
+            cost=cost,
+            idle_ttl=idle_ttl,
+            pin=pin,
+            loading=_LOADING.get(),
+        )
+        if ticket is None:  # loaded already
+            self.apply()
+            await anyio.lowlevel.checkpoint()
+            return
+        entry = ticket.entry
+        if entry.state is State.WAITING and task in self._releasing_tasks:
+            core.leave(ticket)
+            self.apply()
+            raise DeadlockError(
+                f"prefetching {owner.name}:{key!r} from inside a release would wait for space, "
+                "and that space may be waiting for this very release",
+                [],
+            )
+        if entry.shell is None:
+            entry.shell = _Slot(load, measure, self.clock())
+        if entry.state is State.WAITING:
+            self.log.debug(ev.WAIT, cache=owner.name, key=key, bytes=entry.need)
+            if self._lease_warning is not None and self._sweep_wake is not None:
+                self._sweep_wake.set()
+        self.apply()
+        entry, holder = await self._wait(ticket, timeout)
+        # Loaded: the lease its end granted is given back in the same step.
+        core.configure(entry, idle_ttl=idle_ttl, pin=pin or None)
+        core.lease_end(entry, holder, self.clock())
+        self.apply()
+        if not entry.leases:
+            self.note_idle(entry)
+
     async def _wait(self, ticket: Ticket, timeout: float | None) -> tuple[Entry, object]:
         core = self.core
         entry = ticket.entry
