@@ -359,3 +359,36 @@ class SlotMachine(RuleBasedStateMachine):
 
 TestSlotMachine = SlotMachine.TestCase
 TestSlotMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.anyio
+async def test_a_prefetch_joined_to_a_load_does_not_wait_for_a_lease_slot() -> None:
+    gate = anyio.Event()
+
+    async def slow() -> str:
+        await gate.wait()
+        return "v"
+
+    async with Broker(budget=100) as broker, broker.cache("m", release, concurrency=1) as cache:
+        holder: list[Any] = []
+        prefetched = anyio.Event()
+
+        async def acquirer() -> None:
+            holder.append(await cache.acquire("k", load=slow, size=10))
+
+        async def prefetcher() -> None:
+            await cache.prefetch("k", load=slow, size=10, priority=2)
+            prefetched.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(acquirer)
+            await wait_until(lambda: broker.stats_nowait().loading == 1)
+            tg.start_soon(prefetcher)
+            await wait_until(lambda: bool(cache._owner.entries["k"].joiners[1:]))
+            gate.set()
+            # The acquirer takes the one slot; the prefetch returns without one.
+            await prefetched.wait()
+            assert len(holder) == 1 and broker.stats_nowait().waiting_for_lease == 0
+            (info,) = await broker.entries()
+            assert info.leases == 1 and info.priority == 2
+        await holder[0].release()

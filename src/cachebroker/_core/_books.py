@@ -525,6 +525,7 @@ class Core:
         idle_ttl: float | None = None,
         pin: bool = False,
         loading: tuple[Entry, ...] = (),
+        priority: int | None = None,
     ) -> Ticket | None:
         """Have ``key`` loaded on behalf of ``task``, without counting a request.
 
@@ -545,13 +546,17 @@ class Core:
             if entry is not None and entry.state is State.RELEASING:
                 entry = entry.successor
             if entry is not None and entry.state is State.READY:
+                if priority is not None:
+                    self.limit(entry, priority=priority)
                 if idle_ttl is not None or pin:
                     self._retune(entry, idle_ttl, pin, now)
                 return None
         misses = self.misses
         self._prefetching = True
         try:
-            return self.request(owner, key, need, task, cost=cost, loading=loading)
+            return self.request(
+                owner, key, need, task, cost=cost, loading=loading, priority=priority
+            )
         finally:
             self._prefetching = False
             self.misses = misses  # (``_create`` counts a miss)
@@ -1459,7 +1464,8 @@ class Core:
         yield from self.quarantined
 
     def waiters(self, entry: Entry) -> int:
-        """How many requests wait on ``entry``: those joined to its load (or its queueing)."""
+        """How many requests wait on ``entry``: those joined to its load (or its
+        queueing), or, once it is ready, those waiting for a lease slot."""
         return len(entry.joiners)
 
     def check(self) -> None:

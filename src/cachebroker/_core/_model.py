@@ -202,7 +202,8 @@ class Entry:
         self.joiners: list[Ticket] = []
         #: The most leases it may have at once (``None``: unlimited).
         self.slots: int | None = owner.slots
-        #: Lower priorities are evicted first, whatever the policy's ranking.
+        #: Lower priorities are evicted first, whatever the policy's ranking
+        #: (``broker.entries()`` shows it).
         self.priority = owner.priority
         self.value: Any = None
         self.error: BaseException | None = None
@@ -219,8 +220,6 @@ class Entry:
         #: eviction candidates and never expire while their cache is open.
         self.ttl: float | None = owner.ttl
         self.pinned = False
-        #: Eviction priority: lower is evicted first (``broker.entries()`` shows it).
-        self.priority = 0
         #: Why to release it when its last lease ends (invalidated, cleared, closing).
         self.doomed: Reason | None = None
         #: A releasing entry this one must wait for, and the reverse link.

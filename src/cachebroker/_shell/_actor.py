@@ -152,6 +152,7 @@ class Actor(Protocol):
         timeout: float | None,
         idle_ttl: float | None,
         pin: bool,
+        priority: int | None = None,
     ) -> None:
         """Have ``key`` loaded, holding no lease once it is (``Cache.prefetch``)."""
 

@@ -288,10 +288,13 @@ class Cache:
         cost: float | None = None,
         idle_ttl: float | None = None,
         pin: bool = False,
+        priority: int | None = None,
     ) -> None:
         """Load ``key`` into the cache without holding a lease; return once it is loaded.
 
-        The arguments are ``acquire``'s, checked the same way. A key already
+        The arguments are ``acquire``'s, checked the same way (a prefetch
+        holds no lease, so it takes no ``concurrency``; its ``priority`` is the
+        entry's, as for an acquire). A key already
         loaded is not loaded again (``idle_ttl`` and ``pin``, if given, apply
         to it at once, and an idle one's idle time starts over); one loading
         is joined, as an acquire joins it. Once loaded, the value is an
@@ -326,6 +329,7 @@ class Cache:
             cost=cost,
             idle_ttl=idle_ttl,
             pin=pin,
+            priority=priority,
         )
         if timeout is not None:
             timeout = positive_seconds(timeout, "timeout", inf_is_none=True)
@@ -350,7 +354,9 @@ class Cache:
                 need = parse_size(size, actor.budget)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"prefetching {self.name}:{key!r}: {exc}") from None
-        await actor.prefetch(self._owner, key, load, need, measure, cost, timeout, idle_ttl, pin)
+        await actor.prefetch(
+            self._owner, key, load, need, measure, cost, timeout, idle_ttl, pin, priority
+        )
 
     async def invalidate(self, key: Hashable) -> bool:
         """Drop ``key``'s value so the next acquire loads afresh.

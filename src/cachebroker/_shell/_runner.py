@@ -1191,6 +1191,7 @@ class Runner:
         timeout: float | None,
         idle_ttl: float | None,
         pin: bool,
+        priority: int | None = None,
     ) -> None:
         """Have ``key`` loaded, holding no lease once it is (``Cache.prefetch``).
 
@@ -1213,6 +1214,7 @@ class Runner:
             idle_ttl=idle_ttl,
             pin=pin,
             loading=_LOADING.get(),
+            priority=priority,
         )
         if ticket is None:  # loaded already
             self.apply()
@@ -1234,24 +1236,37 @@ class Runner:
             if self._lease_warning is not None and self._sweep_wake is not None:
                 self._sweep_wake.set()
         self.apply()
-        entry, holder = await self._wait(ticket, timeout)
+        entry, holder = await self._wait(ticket, timeout, lease=False)
         # Loaded: the lease its end granted is given back in the same step.
         core.configure(entry, idle_ttl=idle_ttl, pin=pin or None)
-        core.lease_end(entry, holder, self.clock())
+        if holder is not None:
+            core.lease_end(entry, holder, self.clock())
         self.apply()
         if not entry.leases:
             self.note_idle(entry)
 
-    async def _wait(self, ticket: Ticket, timeout: float | None) -> tuple[Entry, object]:
+    async def _wait(
+        self, ticket: Ticket, timeout: float | None, *, lease: bool = True
+    ) -> tuple[Entry, object]:
+        """Wait for ``ticket``'s outcome: the entry and the lease's holder.
+
+        ``lease=False`` (a prefetch): a loaded entry is enough; a ticket left
+        waiting for a lease slot leaves the line instead, and the holder is
+        ``None``.
+        """
         core = self.core
         entry = ticket.entry
+
+        def pending() -> bool:
+            return ticket.outcome is None and (lease or entry.state is not State.READY)
+
         try:
             if timeout is None:
-                while ticket.outcome is None:
+                while pending():
                     await entry.shell.done.wait()
             else:
                 with anyio.fail_after(timeout):
-                    while ticket.outcome is None:
+                    while pending():
                         await entry.shell.done.wait()
         except TimeoutError:
             if ticket.outcome is None:
@@ -1276,6 +1291,10 @@ class Runner:
         outcome = ticket.outcome
         if outcome is True:
             return entry, ticket.task
+        if outcome is None:  # loaded, its slots taken: a prefetch needs no lease
+            core.leave(ticket)
+            self.apply()
+            return entry, None
         assert isinstance(outcome, BaseException)
         raise _own_copy(outcome)
 
