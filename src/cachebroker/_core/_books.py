@@ -283,8 +283,8 @@ class Core:
         entry takes no new one until its leases fall below the limit).
         """
         if priority is not None and priority != entry.priority:
+            self._prepare_priority(priority)
             entry.priority = priority
-            self._note_priority(entry)
             if self._tiers is not None:
                 self._tiers.move(
                     entry,
@@ -294,31 +294,44 @@ class Core:
         if slots is not None and slots != entry.slots:
             entry.slots = slots
             if entry.joiners and entry.state is State.READY:
-                self._grant_slots(entry)
+                self._grant_slots(entry)  # (or refuses a waiter now waiting on itself)
 
-    def _note_priority(self, entry: Entry) -> None:
-        """Switch to a policy per priority when ``entry``'s is the second one seen."""
-        if self._tiers is not None or entry.priority == self._priority:
+    def _prepare_priority(self, priority: int) -> None:
+        """Have a policy serve ``priority``: at the second priority seen, one per priority.
+
+        Called before an entry takes ``priority``, so that a policy that
+        cannot be copied for it raises before anything changed.
+        """
+        tiers = self._tiers
+        if tiers is not None:
+            tiers.ensure(priority)
             return
         if self._priority is None:
-            self._priority = entry.priority
+            self._priority = priority
+        if priority == self._priority:
             return
-        tiers = self._tiers = Tiers(self._make_policy, self.policy, self._priority)
+        tiers = Tiers(self._make_policy, self.policy, self._priority)
+        tiers.ensure(priority)
+        # Every entry the policy knows has the one priority seen so far.
         for other in self.entries():
-            if other is not entry and other.state in (State.READY, State.RELEASING):
+            if other.state in (State.READY, State.RELEASING):
                 tiers.adopt(other, self._priority, idle=bool(other.idle_seq))
-        if entry.state in (State.READY, State.RELEASING):
-            tiers.adopt(entry, self._priority, idle=bool(entry.idle_seq))
-        self.policy = tiers
+        self._tiers = self.policy = tiers
         self._touch, self._busy = tiers.touch, tiers.busy
         self._admit, self._remove = tiers.admit, tiers.remove
 
-    def _wait_for_slot(self, entry: Entry, task: object) -> Ticket:
-        """Queue ``task`` for a lease slot of a ready entry whose slots are taken."""
-        if entry.holders and all(holder is task for holder in entry.holders):
+    def _wait_for_slot(self, entry: Entry, task: object, loading: tuple[Entry, ...] = ()) -> Ticket:
+        """Queue ``task`` for a lease slot of a ready entry whose slots are taken.
+
+        Refused when only the asking task holds the slots: itself, or, from
+        inside a loader, the tasks waiting for that load (which wait on it).
+        """
+        own = {id(task)} | {id(t.task) for outer in loading for t in outer.joiners}
+        if entry.holders and all(id(holder) in own for holder in entry.holders):
             raise DeadlockError(
                 f"acquiring {entry.owner.name}:{entry.key!r} would wait for a lease slot "
-                f"(concurrency={entry.slots}) that only this task's own lease on it can free",
+                f"(concurrency={entry.slots}) that only this task's own lease on it can free"
+                + (" (or the tasks waiting for the load asking)" if loading else ""),
                 [(entry.owner.name, entry.key)],
             )
         self._count_request(entry)
@@ -335,6 +348,17 @@ class Core:
             ticket.outcome = True
             entry.holders.append(ticket.task)
             entry.leases += 1
+            granted += 1
+        # A waiter whose own leases now hold every slot would wait for ever.
+        for ticket in [t for t in joiners if all(h is t.task for h in entry.holders)]:
+            if not entry.holders:
+                break
+            joiners.remove(ticket)
+            ticket.outcome = DeadlockError(
+                f"acquiring {entry.owner.name}:{entry.key!r} waits for a lease slot "
+                f"(concurrency={entry.slots}) that only this task's own lease on it can free",
+                [(entry.owner.name, entry.key)],
+            )
             granted += 1
         if granted:
             self.effects.append(Settled(entry))
@@ -435,7 +459,7 @@ class Core:
             self.limit(entry, slots=slots, priority=priority)
         if entry is not None and entry.state is State.READY:
             if entry.slots is not None and (entry.joiners or entry.leases >= entry.slots):
-                return self._wait_for_slot(entry, task)
+                return self._wait_for_slot(entry, task, loading)
             self.hit(entry, task)
             ticket = Ticket(entry, task)
             ticket.outcome = True
@@ -589,13 +613,13 @@ class Core:
         slots: int | None = None,
         priority: int | None = None,
     ) -> Entry:
+        if priority is None:
+            priority = owner.priority
+        self._prepare_priority(priority)
         entry = Entry(owner, key, need)
+        entry.priority = priority
         if slots is not None:
             entry.slots = slots
-        if priority is not None:
-            entry.priority = priority
-        if entry.priority != self._priority:
-            self._note_priority(entry)
         current = owner.entries.get(key)
         if current is not None and current.state is State.RELEASING:
             entry.after = current

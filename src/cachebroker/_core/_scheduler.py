@@ -59,12 +59,16 @@ def schedule(books: Core) -> None:
     every_space = len(books.canon_names)
     promised: dict[str, int] = {}  # to earlier waiters: granted in this pass, or covered
     unfinished: set[str] = set()  # spaces where an earlier waiter is not granted yet
-    blocked: set[str] = set()  # spaces where an earlier waiter cannot be covered
+    # Spaces where an earlier waiter cannot be covered, and the highest priority
+    # of those: a later waiter of a higher priority may evict what they may not.
+    blocked: dict[str, int] = {}
     grants: list[Entry] = []
     refused: list[Entry] = []
+    uniform = books._tiers is None  # every entry of one priority
     for entry in books.queue:  # Grants are applied after the walk: no copy of the queue.
-        if len(blocked) == every_space and not books._holding_waiters:
+        if len(blocked) == every_space and not books._holding_waiters and uniform:
             break  # Nobody further back may be granted or evicted for.
+        priority = entry.priority
         # One pass over its spaces (usually a single one) gathers what the
         # decision needs and promises it their bytes, taken back below if it
         # is refused, held back or not covered after all.
@@ -79,7 +83,7 @@ def schedule(books: Core) -> None:
             space = spaces[name]
             if amount > space.limit - space.quarantined:
                 attainable = False
-            if name in blocked:
+            if name in blocked and priority <= blocked[name]:
                 behind = True
             taken = promised.get(name, 0)
             short = amount - (space.capacity - space.used + space.releasing - taken)
@@ -102,17 +106,21 @@ def schedule(books: Core) -> None:
         if not attainable:
             refused.append(entry)
         elif behind and not entry.holding:  # held back
-            blocked.update(need)
+            _block(blocked, need, priority)
         # (Whether idle entries could cover it, first: the usual answer under contention.)
         elif shortfall is not None and not (
             coverable and evict(books, shortfall, up_to=entry.priority)
         ):
             heads = (
-                {name: short for name, short in shortfall.items() if name not in blocked}
+                {
+                    name: short
+                    for name, short in shortfall.items()
+                    if name not in blocked or priority > blocked[name]
+                }
                 if behind
                 else shortfall
             )
-            blocked.update(need)
+            _block(blocked, need, priority)
             if heads:
                 drain(books, entry, heads)
         elif grantable:  # promised, and granted at once
@@ -130,6 +138,13 @@ def schedule(books: Core) -> None:
         for entry in refused:
             refuse(books, entry)
         schedule(books)  # What they were not promised may go to those behind them.
+
+
+def _block(blocked: dict[str, int], need: Mapping[str, int], priority: int) -> None:
+    """Mark ``need``'s spaces blocked for waiters up to ``priority``."""
+    for name in need:
+        if blocked.get(name, priority) <= priority:
+            blocked[name] = priority
 
 
 def refuse(books: Core, entry: Entry) -> None:
@@ -186,6 +201,12 @@ def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
         return
     for name, short in shortfall.items():
         coming = books.spaces[name].idle_bytes
+        if books._tiers is not None:  # only idle entries it may evict are coming
+            coming = sum(
+                e.charge.get(name, 0)
+                for e in books.entries()
+                if e.idle_seq and e.priority <= waiter.priority
+            )
         candidates = []
         for entry in books.busy:
             amount = entry.charge.get(name)

@@ -47,6 +47,12 @@ class Tiers(PolicyBase):
         #: Idle entries of each priority, in the order they became idle.
         self._idle: dict[int, dict[PolicyEntry, None]] = {priority: {}}
 
+    def ensure(self, priority: int) -> None:
+        """Make the policy of ``priority`` now (making one may raise)."""
+        if priority not in self.policies:
+            self.policies[priority] = self._make()
+            self._idle[priority] = {}
+
     def _policy(self, entry: PolicyEntry) -> Policy:
         priority = self._home.get(entry, _priority(entry))
         policy = self.policies.get(priority)

@@ -1152,19 +1152,27 @@ class Runner:
             priority=priority,
         )
         entry = ticket.entry
-        if entry.state is State.WAITING and task in self._releasing_tasks:
-            core.leave(ticket)
-            self.apply()
-            raise DeadlockError(
-                f"acquiring {name}:{key!r} from inside a release would wait for space, "
-                "and that space may be waiting for this very release; a releaser may only "
-                "acquire what is loaded or fits at once",
-                [],
-            )
+        if ticket.outcome is None and task in self._releasing_tasks:
+            for_slot = entry.state is State.READY
+            if entry.state is State.WAITING or for_slot:
+                core.leave(ticket)
+                self.apply()
+                raise DeadlockError(
+                    f"acquiring {name}:{key!r} from inside a release would wait for "
+                    + ("a lease slot" if for_slot else "space")
+                    + ", and that may be waiting for this very release; a releaser may "
+                    "only acquire what is loaded (with a free lease slot) or fits at once",
+                    [],
+                )
         if ticket.outcome is True:
             self.apply()
             self.log.debug(ev.HIT, cache=name, key=key)
-            await anyio.lowlevel.checkpoint()
+            try:
+                await anyio.lowlevel.checkpoint()
+            except BaseException:  # cancelled here: nobody holds the lease but us
+                core.lease_end(entry, task, self.clock())
+                self.apply()
+                raise
             return entry, task
         if entry.state is State.READY:  # waits for a lease slot
             self.log.debug(ev.WAIT_LEASE, cache=name, key=key, concurrency=entry.slots)
