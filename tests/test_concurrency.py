@@ -31,7 +31,7 @@ async def release(key: Hashable, value: Any) -> None:
 
 
 class Loads:
-    """A loader that counts its calls."""
+    """A loader that counts its calls and returns a new value each time."""
 
     def __init__(self) -> None:
         self.count = 0

@@ -40,27 +40,13 @@ from cachebroker import (
 from cachebroker._core import Entry, Reason, State, Ticket
 from cachebroker._policies import make_policy
 from tests.harness import Harness
+from tests.test_concurrency import Loads, release
 from tests.test_remote import Plugin, serving, value
 
 POLICIES = ["lru", "fifo", "gdsf", "cost"]
 
 
 # -- helpers ---------------------------------------------------------------------
-
-
-async def release(key: Hashable, value: Any) -> None:
-    pass
-
-
-class Loads:
-    """A loader that counts its calls and returns a new value each time."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    async def __call__(self) -> str:
-        self.count += 1
-        return f"value-{self.count}"
 
 
 async def wait_until(condition: Callable[[], Any], *, steps: int = 5_000) -> bool:

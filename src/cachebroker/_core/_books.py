@@ -71,6 +71,18 @@ def _factory(policy: Policy) -> Callable[[], Policy]:
     return lambda: copy.deepcopy(pristine)
 
 
+def _slot_self_wait(entry: Entry, own: set[int], *, loading: bool = False) -> DeadlockError | None:
+    """The error for a wait for ``entry``'s lease slots that only ``own`` tasks (by id) hold."""
+    if not entry.holders or any(id(holder) not in own for holder in entry.holders):
+        return None
+    return DeadlockError(
+        f"acquiring {entry.owner.name}:{entry.key!r} would wait for a lease slot "
+        f"(concurrency={entry.slots}) that only this task's own lease on it can free"
+        + (" (or the tasks waiting for the load asking)" if loading else ""),
+        [(entry.owner.name, entry.key)],
+    )
+
+
 def _hook(policy: Policy, name: str) -> Callable[[Entry], None] | None:
     """``policy.name``, or ``None`` when it is PolicyBase's no-op (so it is not called)."""
     method = getattr(policy, name, None)
@@ -327,13 +339,9 @@ class Core:
         inside a loader, the tasks waiting for that load (which wait on it).
         """
         own = {id(task)} | {id(t.task) for outer in loading for t in outer.joiners}
-        if entry.holders and all(id(holder) in own for holder in entry.holders):
-            raise DeadlockError(
-                f"acquiring {entry.owner.name}:{entry.key!r} would wait for a lease slot "
-                f"(concurrency={entry.slots}) that only this task's own lease on it can free"
-                + (" (or the tasks waiting for the load asking)" if loading else ""),
-                [(entry.owner.name, entry.key)],
-            )
+        error = _slot_self_wait(entry, own, loading=bool(loading))
+        if error is not None:
+            raise error
         self._count_request(entry)
         ticket = Ticket(entry, task)
         entry.joiners.append(ticket)
@@ -350,16 +358,12 @@ class Core:
             entry.leases += 1
             granted += 1
         # A waiter whose own leases now hold every slot would wait for ever.
-        for ticket in [t for t in joiners if all(h is t.task for h in entry.holders)]:
-            if not entry.holders:
-                break
-            joiners.remove(ticket)
-            ticket.outcome = DeadlockError(
-                f"acquiring {entry.owner.name}:{entry.key!r} waits for a lease slot "
-                f"(concurrency={entry.slots}) that only this task's own lease on it can free",
-                [(entry.owner.name, entry.key)],
-            )
-            granted += 1
+        for ticket in list(joiners):
+            error = _slot_self_wait(entry, {id(ticket.task)})
+            if error is not None:
+                joiners.remove(ticket)
+                ticket.outcome = error
+                granted += 1
         if granted:
             self.effects.append(Settled(entry))
 
