@@ -4,7 +4,7 @@ Each test attacks one corner of the change: the async shell on every backend
 (cancellation, timeouts, threads, loaders and releasers that acquire, hand-offs,
 closing, invalidation), a connected broker with a real daemon, and the books
 driven directly (a stateful machine mixing every step with random priorities
-and slots under every built-in policy, checking ``Core.check()``, the tiers'
+and slots under every built-in policy, checking ``Core.check()``, the priorities'
 own bookkeeping and the eviction order after every step).
 
 The bugs these attacks found are fixed; two tests marked ``xfail(strict=True)``
@@ -745,14 +745,14 @@ def test_a_priority_changed_back_to_the_first_seen_one_ranks_with_it(policy: str
     h = Harness({"m": 30}, policy=make_policy(policy), instant=True)
     h.end(ask(h, "a", 10, 3))  # the first priority seen: the broker's own policy
     h.end(ask(h, "b", 10, 3))
-    h.end(ask(h, "a", 10, 0))  # a second priority: tiers; a moves down
+    h.end(ask(h, "a", 10, 0))  # a second priority: priorities; a moves down
     h.core.check()
     h.end(ask(h, "a", 10, 3))  # and back to the first one
     h.end(ask(h, "c", 10, 1))
     h.core.check()
-    tiers = h.core._tiers
-    assert tiers is not None
-    assert tiers._home[h.owner.entries["a"]] == 3
+    priorities = h.core._priorities
+    assert priorities is not None
+    assert priorities._home[h.owner.entries["a"]] == 3
     # "c" (1) goes first, whatever the ranking: below both others.
     h.end(ask(h, "d", 10, 3))
     assert [k for k, r in h.released if r is Reason.CAPACITY] == ["c"]
@@ -789,14 +789,14 @@ def test_priorities_changed_while_waiting_loading_leased_and_releasing(policy: s
     h.end(loading)
     h.end(loaded)
     core.check()
-    tiers = core._tiers
-    assert tiers is not None
+    priorities = core._priorities
+    assert priorities is not None
     for entry in core.entries():
         if entry.idle_seq:
-            assert tiers._home[entry] == entry.priority and entry in tiers._idle[entry.priority]
+            assert priorities._home[entry] == entry.priority and entry in priorities._idle[entry.priority]
 
 
-def test_merged_spaces_keep_the_tiers_order() -> None:
+def test_merged_spaces_keep_the_priorities_order() -> None:
     h = Harness({"ram": 50, "gpu": 50}, instant=True)
     core = h.core
     for key, space, priority in (("g-high", "gpu", 5), ("r-low", "ram", 0), ("g-low", "gpu", 1)):
@@ -829,7 +829,7 @@ class LimitsMachine(RuleBasedStateMachine):
     refused, invalidations, clears, sweeps, limit changes, pins, a merge of the spaces,
     capacity changes, and a cache closed, abandoned and opened again.
 
-    After every step: ``Core.check()``; the tiers' own books (every idle entry is idle
+    After every step: ``Core.check()``; the priorities' own books (every idle entry is idle
     in the tier of its priority, and nothing else is); every pending ticket is still
     among its entry's joiners; and no idle entry was evicted for space while an idle
     entry of a lower priority charged in all its spaces stayed, nor above ``up_to``.
@@ -877,12 +877,12 @@ class LimitsMachine(RuleBasedStateMachine):
 
         core._start_release = checked_release  # type: ignore[method-assign]
 
-    def _watch_tiers(self) -> None:
+    def _watch_priorities(self) -> None:
         assert self.h is not None
-        tiers = self.h.core._tiers
-        if tiers is None or "victims" in vars(tiers):
+        priorities = self.h.core._priorities
+        if priorities is None or "victims" in vars(priorities):
             return
-        victims = tiers.victims
+        victims = priorities.victims
 
         def checked(shortfall: Any, up_to: int | None = None) -> list[Any]:
             chosen = victims(shortfall, up_to)
@@ -891,10 +891,10 @@ class LimitsMachine(RuleBasedStateMachine):
                     self.problems.append(f"victim {entry!r} above up_to={up_to}")
             return chosen
 
-        tiers.victims = checked  # type: ignore[method-assign]
+        priorities.victims = checked  # type: ignore[method-assign]
 
     def _collect(self) -> None:
-        self._watch_tiers()
+        self._watch_priorities()
         for ticket in list(self.pending):
             if ticket.outcome is True:
                 self.pending.remove(ticket)
@@ -1143,14 +1143,14 @@ class LimitsMachine(RuleBasedStateMachine):
         assert not self.problems, self.problems
         core = self.h.core
         core.check()
-        tiers = core._tiers
-        if tiers is not None:
+        priorities = core._priorities
+        if priorities is not None:
             for entry in core.entries():
                 if entry.idle_seq:
-                    home = tiers._home.get(entry)
+                    home = priorities._home.get(entry)
                     assert home == entry.priority, (entry, home, entry.priority)
-                    assert entry in tiers._idle[home], entry
-            for priority, idle in tiers._idle.items():
+                    assert entry in priorities._idle[home], entry
+            for priority, idle in priorities._idle.items():
                 for member in idle:
                     assert isinstance(member, Entry), member
                     assert member.idle_seq and member.state is State.READY, (priority, member)

@@ -27,7 +27,7 @@ from .._errors import (
     RequestTooLarge,
 )
 from .._policies import Policy, PolicyBase
-from .._policies._tiers import Tiers
+from .._policies._priorities import Priorities
 from .._units import format_bytes
 from . import _aliases, _invariants
 from ._aliases import canonical
@@ -160,10 +160,10 @@ class Core:
         self.alias_evidence: dict[frozenset[str], int] = {}
         self.policy = policy
         #: Priorities: entries of one priority go to ``policy``; once several
-        #: coexist, ``Tiers`` gives each its own policy, made by ``_make_policy``.
+        #: coexist, ``Priorities`` gives each its own policy, made by ``_make_policy``.
         self._make_policy = _factory(policy)
-        self._tiers: Tiers | None = None
-        self._priority: int | None = None  # the one priority seen, until Tiers
+        self._priorities: Priorities | None = None
+        self._priority: int | None = None  # the one priority seen, until Priorities
         # Hooks a policy leaves as no-ops are not called at all (LRU's hit path).
         self._touch = _hook(policy, "touch")
         self._busy = _hook(policy, "busy")
@@ -297,8 +297,8 @@ class Core:
         if priority is not None and priority != entry.priority:
             self._prepare_priority(priority)
             entry.priority = priority
-            if self._tiers is not None:
-                self._tiers.move(
+            if self._priorities is not None:
+                self._priorities.move(
                     entry,
                     admitted=entry.state in (State.READY, State.RELEASING),
                     idle=bool(entry.idle_seq),
@@ -314,23 +314,23 @@ class Core:
         Called before an entry takes ``priority``, so that a policy that
         cannot be copied for it raises before anything changed.
         """
-        tiers = self._tiers
-        if tiers is not None:
-            tiers.ensure(priority)
+        priorities = self._priorities
+        if priorities is not None:
+            priorities.ensure(priority)
             return
         if self._priority is None:
             self._priority = priority
         if priority == self._priority:
             return
-        tiers = Tiers(self._make_policy, self.policy, self._priority)
-        tiers.ensure(priority)
+        priorities = Priorities(self._make_policy, self.policy, self._priority)
+        priorities.ensure(priority)
         # Every entry the policy knows has the one priority seen so far.
         for other in self.entries():
             if other.state in (State.READY, State.RELEASING):
-                tiers.adopt(other, self._priority, idle=bool(other.idle_seq))
-        self._tiers = self.policy = tiers
-        self._touch, self._busy = tiers.touch, tiers.busy
-        self._admit, self._remove = tiers.admit, tiers.remove
+                priorities.adopt(other, self._priority, idle=bool(other.idle_seq))
+        self._priorities = self.policy = priorities
+        self._touch, self._busy = priorities.touch, priorities.busy
+        self._admit, self._remove = priorities.admit, priorities.remove
 
     def _wait_for_slot(self, entry: Entry, task: object, loading: tuple[Entry, ...] = ()) -> Ticket:
         """Queue ``task`` for a lease slot of a ready entry whose slots are taken.

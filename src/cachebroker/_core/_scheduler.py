@@ -64,7 +64,7 @@ def schedule(books: Core) -> None:
     blocked: dict[str, int] = {}
     grants: list[Entry] = []
     refused: list[Entry] = []
-    uniform = books._tiers is None  # every entry of one priority
+    uniform = books._priorities is None  # every entry of one priority
     for entry in books.queue:  # Grants are applied after the walk: no copy of the queue.
         if len(blocked) == every_space and not books._holding_waiters and uniform:
             break  # Nobody further back may be granted or evicted for.
@@ -201,7 +201,7 @@ def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
         return
     for name, short in shortfall.items():
         coming = books.spaces[name].idle_bytes
-        if books._tiers is not None:  # only idle entries it may evict are coming
+        if books._priorities is not None:  # only idle entries it may evict are coming
             coming = sum(
                 e.charge.get(name, 0)
                 for e in books.entries()
@@ -237,8 +237,8 @@ def evict(
     """
     victims: list[Entry] = []
     freed = dict.fromkeys(shortfall, 0)
-    tiers = books._tiers
-    chosen = books.policy.victims(shortfall) if tiers is None else tiers.victims(shortfall, up_to)
+    priorities = books._priorities
+    chosen = books.policy.victims(shortfall) if priorities is None else priorities.victims(shortfall, up_to)
     for victim in chosen:
         # A policy sees entries as PolicyEntry: only one of the books' own may come back.
         if (

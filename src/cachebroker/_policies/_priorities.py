@@ -1,6 +1,6 @@
 """Eviction priorities over any policy: one policy per priority, lowest evicted first.
 
-The books switch to ``Tiers`` when entries of different priorities first
+The books switch to ``Priorities`` when entries of different priorities first
 coexist (until then every hook goes straight to the one policy, as before).
 Each priority gets its own policy, made like the broker's (the same
 built-in, or a copy of the user's instance as it was given), which ranks
@@ -20,7 +20,7 @@ from typing import Protocol, cast
 from ._cover import cover
 from ._protocol import Policy, PolicyBase, PolicyEntry
 
-__all__ = ["Tiers"]
+__all__ = ["Priorities"]
 
 
 class Prioritized(PolicyEntry, Protocol):
@@ -31,7 +31,7 @@ class Prioritized(PolicyEntry, Protocol):
         """Lower priorities are evicted first."""
 
 
-class Tiers(PolicyBase):
+class Priorities(PolicyBase):
     """Route each entry to its priority's policy; cover shortfalls lowest priority first.
 
     An entry stays with the policy of the priority it was first seen with
@@ -135,7 +135,7 @@ class Tiers(PolicyBase):
 
 
 def _priority(entry: PolicyEntry) -> int:
-    """The priority of one of the books' entries (``Tiers`` serves the books only)."""
+    """The priority of one of the books' entries (``Priorities`` serves the books only)."""
     return cast(Prioritized, entry).priority
 
 
