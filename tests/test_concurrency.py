@@ -392,3 +392,23 @@ async def test_a_prefetch_joined_to_a_load_does_not_wait_for_a_lease_slot() -> N
             (info,) = await broker.entries()
             assert info.leases == 1 and info.priority == 2
         await holder[0].release()
+
+
+@pytest.mark.anyio
+async def test_a_request_waiting_for_a_slot_sleeps_instead_of_spinning() -> None:
+    """The entry's wake-up event was set when its load ended: a later waiter
+    must park on a fresh one, not loop around the set one (which never lets
+    every task block)."""
+    async with Broker(budget=100) as broker, broker.cache("m", release) as cache:
+        first = await cache.acquire("k", load=Loads(), size=10, concurrency=1)
+
+        async def second() -> None:
+            async with cache.acquire("k", load=Loads(), size=10):
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second)
+            with anyio.fail_after(5):
+                await anyio.wait_all_tasks_blocked()
+            assert broker.stats_nowait().waiting_for_lease == 1
+            await first.release()

@@ -1268,14 +1268,22 @@ class Runner:
         def pending() -> bool:
             return ticket.outcome is None and (lease or entry.state is not State.READY)
 
+        async def settled() -> None:
+            slot = entry.shell
+            if slot.done.is_set():
+                # Set for earlier requesters (the load that ended): this one waits
+                # for the next outcome (a lease slot, a move), not around a set event.
+                slot.done = anyio.Event()
+            await slot.done.wait()
+
         try:
             if timeout is None:
                 while pending():
-                    await entry.shell.done.wait()
+                    await settled()
             else:
                 with anyio.fail_after(timeout):
                     while pending():
-                        await entry.shell.done.wait()
+                        await settled()
         except TimeoutError:
             if ticket.outcome is None:
                 waiting_for, what = self._waiting_for(entry)
