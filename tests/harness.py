@@ -22,6 +22,7 @@ from cachebroker._core import (
     Reason,
     Settled,
     StartLoad,
+    StartMove,
     StartRelease,
     Ticket,
 )
@@ -36,13 +37,18 @@ class Harness:
         idle_ttl: float | None = None,
         policy: Policy | None = None,
         instant: bool = False,
+        tiers: Mapping[str, str] | None = None,
+        moves: bool = False,
     ) -> None:
-        self.core = Core(budget, policy or LRU(), idle_ttl=idle_ttl)
-        self.owner = self.core.open_owner("p")
+        self.core = Core(budget, policy or LRU(), idle_ttl=idle_ttl, tiers=tiers)
+        self.owner = self.core.open_owner("p", moves=moves)
         self.instant = instant
         self.now = 0.0
         self.loading: list[Entry] = []
         self.releasing: list[Entry] = []
+        #: Moves started and not finished, with the space each goes to.
+        self.moving: list[tuple[Entry, str]] = []
+        self.moved: list[tuple[Hashable, str]] = []
         self.released: list[tuple[Hashable, Reason]] = []
         self.cancelled: list[Entry] = []
         self.settled: list[Entry] = []
@@ -68,6 +74,11 @@ class Harness:
                 self.releasing.append(entry)
                 if self.instant:
                     self.ack(entry)
+            case StartMove(entry, to):
+                self.moving.append((entry, to))
+                self.moved.append((entry.key, to))
+                if self.instant:
+                    self.move(entry)
             case CancelLoad(entry):
                 # The test ends the load (``load_failed(..., cancelled=True)``), as
                 # the cancelled load task would.
@@ -103,6 +114,23 @@ class Harness:
     def fail(self, entry: Entry, error: BaseException) -> None:
         self.loading.remove(entry)
         self.core.load_failed(entry, error)
+        self.drain()
+
+    def move(
+        self,
+        entry: Entry,
+        measured: dict[str, int] | None = None,
+        seconds: float = 0.25,
+        error: BaseException | None = None,
+    ) -> None:
+        """End ``entry``'s move: done (the value tagged with where it went), or failed."""
+        (to,) = [to for moving, to in self.moving if moving is entry]
+        self.moving.remove((entry, to))
+        if error is not None:
+            self.core.move_failed(entry, error)
+        else:
+            value = f"{entry.value}@{to}"
+            self.core.move_done(entry, value, measured, seconds, self.now)
         self.drain()
 
     def ack(self, entry: Entry) -> None:

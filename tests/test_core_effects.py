@@ -25,6 +25,7 @@ from cachebroker._core import (
     Reason,
     Settled,
     StartLoad,
+    StartMove,
     StartRelease,
 )
 from cachebroker._core._effects import _Effect
@@ -43,7 +44,12 @@ def _leaves(cls: type[Any]) -> set[type[Any]]:
 
 def _make(kind: type[Any], h: Harness, key: str = "k", reason: Reason = Reason.CAPACITY) -> Any:
     """An effect of ``kind`` about the harness's owner (or a fresh entry of it)."""
-    values = {"entry": Entry(h.owner, key, {"m": 1}), "reason": reason, "owner": h.owner}
+    values = {
+        "entry": Entry(h.owner, key, {"m": 1}),
+        "reason": reason,
+        "owner": h.owner,
+        "to": "m",
+    }
     return kind(*(values[name] for name in kind.__match_args__))
 
 
@@ -116,6 +122,7 @@ RECORDED = {
     StartLoad: "loading",
     CancelLoad: "cancelled",
     StartRelease: "releasing",
+    StartMove: "moving",
     Settled: "settled",
     Quarantined: "quarantined",
     OwnerEmpty: "emptied",
@@ -128,7 +135,11 @@ def test_the_harness_performs_every_kind_of_effect(kind: type[Any]) -> None:
     effect = _make(kind, h)
     h.perform(effect)  # an unhandled kind fails assert_never
     subject = effect.owner if kind is OwnerEmpty else effect.entry
-    assert getattr(h, RECORDED[kind]) == [subject]
+    recorded = getattr(h, RECORDED[kind])
+    if kind is StartMove:  # (recorded with the space it goes to)
+        assert recorded == [(subject, effect.to)]
+        recorded = [subject]
+    assert recorded == [subject]
     if kind is StartRelease:
         assert h.released == [("k", Reason.CAPACITY)]
 

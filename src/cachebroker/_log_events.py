@@ -22,6 +22,9 @@ LOAD_FAILED: Final = "cachebroker.load.failed"
 LOAD_CANCELLED: Final = "cachebroker.load.cancelled"
 LOAD_RETRY: Final = "cachebroker.load.retry"
 RELEASE_REQUESTED: Final = "cachebroker.release.requested"
+MOVE_START: Final = "cachebroker.move.start"
+MOVE_DONE: Final = "cachebroker.move.done"
+MOVE_FAILED: Final = "cachebroker.move.failed"
 RELEASE_FREED: Final = "cachebroker.release.freed"
 RELEASE_FAILED: Final = "cachebroker.release.failed"
 QUARANTINE_FORGOTTEN: Final = "cachebroker.quarantine.forgotten"
@@ -50,6 +53,9 @@ ALL: Final = (
     LOAD_CANCELLED,
     LOAD_RETRY,
     RELEASE_REQUESTED,
+    MOVE_START,
+    MOVE_DONE,
+    MOVE_FAILED,
     RELEASE_FREED,
     RELEASE_FAILED,
     QUARANTINE_FORGOTTEN,

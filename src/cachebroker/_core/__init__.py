@@ -14,7 +14,7 @@ Modules, in reading order:
 * ``_model``: the data: ``Space``, ``Owner``, ``Entry``, ``Ticket``, the
   ``State`` of an entry and the ``Reason`` of a release, and the constants;
 * ``_effects``: the work a step leaves for the shell (``StartLoad``,
-  ``CancelLoad``, ``StartRelease``, ``Settled``, ``Quarantined``,
+  ``CancelLoad``, ``StartRelease``, ``StartMove``, ``Settled``, ``Quarantined``,
   ``OwnerEmpty``; ``Effect`` is any of them);
 * ``_books``: ``Core``: the steps the shell takes (``request``, ``hit``,
   ``lease_end``, ``load_done``, ``release_done``, ...) and the primitives
@@ -53,6 +53,7 @@ from ._effects import (
     Quarantined,
     Settled,
     StartLoad,
+    StartMove,
     StartRelease,
 )
 from ._invariants import STEPS, check_after_every_step
@@ -85,6 +86,7 @@ __all__ = [
     "StartLoad",
     "CancelLoad",
     "StartRelease",
+    "StartMove",
     "Settled",
     "Quarantined",
     "OwnerEmpty",

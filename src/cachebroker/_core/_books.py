@@ -29,7 +29,7 @@ from .._errors import (
 from .._policies import Policy, PolicyBase
 from .._policies._priorities import Priorities
 from .._units import format_bytes
-from . import _aliases, _invariants
+from . import _aliases, _invariants, _moves
 from ._aliases import canonical
 from ._effects import CancelLoad, Effect, OwnerEmpty, Quarantined, Settled, StartLoad, StartRelease
 from ._model import (
@@ -101,6 +101,7 @@ class Core:
         "__dict__",
         "_admit",
         "_busy",
+        "_demoting",
         "_expiry",
         "_fair_at",
         "_gate",
@@ -119,6 +120,7 @@ class Core:
         "canon",
         "canon_names",
         "closed",
+        "demotions",
         "effects",
         "evictions",
         "fair_requests",
@@ -129,10 +131,12 @@ class Core:
         "load_seconds",
         "loads",
         "misses",
+        "moves_failed",
         "oom_retries",
         "orphans",
         "owners",
         "policy",
+        "promotions",
         "quarantined",
         "queue",
         "releases_failed",
@@ -140,6 +144,7 @@ class Core:
         "sizes",
         "spaces",
         "tick",
+        "tiers",
     )
 
     def __init__(
@@ -149,6 +154,7 @@ class Core:
         *,
         idle_ttl: float | None = None,
         retain: bool | None = None,
+        tiers: Mapping[str, str] | None = None,
     ) -> None:
         self.retain = any(amount > 0 for amount in budget.values()) if retain is None else retain
         self.spaces = {
@@ -158,6 +164,14 @@ class Core:
         self.canon: dict[str, str] = {}
         self.canon_names = list(self.spaces)
         self.alias_evidence: dict[frozenset[str], int] = {}
+        #: Each space's lower tier: where its idle entries may be moved
+        #: instead of released (``_moves``), when their owner can move them.
+        self.tiers: dict[str, str] = dict(tiers or {})
+        #: Demotions decided and waiting for their room in the lower tier, in order.
+        self._demoting: dict[Entry, None] = {}
+        self.demotions = 0
+        self.promotions = 0
+        self.moves_failed = 0
         self.policy = policy
         #: Priorities: entries of one priority go to ``policy``; once several
         #: coexist, ``Priorities`` gives each its own policy, made by ``_make_policy``.
@@ -240,14 +254,19 @@ class Core:
         slots: int | None = None,
         priority: int = 0,
         ttl: float | None = None,
+        moves: bool = False,
     ) -> Owner:
-        """Open a cache; ``slots``, ``priority`` and ``ttl`` are its entries' defaults."""
+        """Open a cache; ``slots``, ``priority`` and ``ttl`` are its entries' defaults.
+
+        ``moves``: its owner can move values between spaces (``tiers``).
+        """
         if self.closed:
             raise BrokerClosed("the broker is closed")
         if name in self.owners:
             raise InvalidArgument(f"a cache named {name!r} is already open on this broker")
         owner = self.owners[name] = Owner(name)
         owner.slots, owner.priority, owner.ttl = slots, priority, ttl
+        owner.moves = moves
         return owner
 
     def close_owner(self, owner: Owner, error: BaseException) -> None:
@@ -269,6 +288,12 @@ class Core:
                 if entry.joiners:  # waiting for a lease slot
                     self._fail_joiners(entry, _naming(error, entry))
                 self._doom(entry, Reason.CLOSE)
+            elif entry.state in (State.MOVING, State.DEMOTED):
+                if entry.joiners:  # waiting for a move, or a promotion's room
+                    self._fail_joiners(entry, _naming(error, entry))
+                    if entry in self.queue:
+                        self._dequeue(entry)
+                self._doom_parked(entry, Reason.CLOSE)
         self._check_empty(owner)
         schedule(self)
 
@@ -300,7 +325,8 @@ class Core:
             if self._priorities is not None:
                 self._priorities.move(
                     entry,
-                    admitted=entry.state in (State.READY, State.RELEASING),
+                    admitted=entry.state
+                    in (State.READY, State.RELEASING, State.MOVING, State.DEMOTED),
                     idle=bool(entry.idle_seq),
                 )
         if slots is not None and slots != entry.slots:
@@ -326,7 +352,7 @@ class Core:
         priorities.ensure(priority)
         # Every entry the policy knows has the one priority seen so far.
         for other in self.entries():
-            if other.state in (State.READY, State.RELEASING):
+            if other.state in (State.READY, State.RELEASING, State.MOVING, State.DEMOTED):
                 priorities.adopt(other, self._priority, idle=bool(other.idle_seq))
         self._priorities = self.policy = priorities
         self._touch, self._busy = priorities.touch, priorities.busy
@@ -461,12 +487,18 @@ class Core:
             entry = entry.successor
         if entry is not None and (slots is not None or priority is not None):
             self.limit(entry, slots=slots, priority=priority)
+        kept = entry is not None and entry in self._demoting
+        if kept:  # its demotion still waits for room: it stays where it is
+            _moves.cancel_demotion(self, entry)  # type: ignore[arg-type]
         if entry is not None and entry.state is State.READY:
             if entry.slots is not None and (entry.joiners or entry.leases >= entry.slots):
-                return self._wait_for_slot(entry, task, loading)
-            self.hit(entry, task)
-            ticket = Ticket(entry, task)
-            ticket.outcome = True
+                ticket = self._wait_for_slot(entry, task, loading)
+            else:
+                self.hit(entry, task)
+                ticket = Ticket(entry, task)
+                ticket.outcome = True
+            if kept:  # the waiters it was demoted for look elsewhere
+                schedule(self)
             return ticket
         if entry is None:
             unknown = need is None
@@ -489,13 +521,23 @@ class Core:
             self._check_cycle(owner, key, entry, loading)
             if entry.gated and (loading or self._holds_any(task)):
                 self._hurry(entry)
-            waiting = entry.state is State.WAITING
+            # A demoted entry is promoted back to where it was loaded, for its
+            # first requester; later ones join (as do requesters of a move).
+            promote = entry.state is State.DEMOTED and entry not in self.queue
+            need = entry.home if promote and entry.home is not None else entry.need
+            if promote:
+                self._check_fit(owner, key, need)
+            waiting = promote or entry.state is State.WAITING or entry in self.queue
             mine = (
-                self._leased_by(task, entry.need, queued=len(self.queue) > 1, held=held)
+                self._leased_by(task, need, queued=len(self.queue) > (not promote), held=held)
                 if waiting
                 else []
             )
-            self._check_deadlock(owner, key, entry.need, mine)
+            self._check_deadlock(owner, key, need, mine)
+            if promote:
+                _moves.queue_promotion(self, entry)
+                if not self._prefetching:
+                    self.misses += 1  # it waits for its value to be moved back
             self._count_request(entry)
         ticket = Ticket(entry, task, loading, held)
         entry.joiners.append(ticket)
@@ -503,7 +545,7 @@ class Core:
             for outer in loading:
                 outer.nested = [t for t in outer.nested if t.outcome is None]
                 outer.nested.append(ticket)
-        if entry.state is State.WAITING and (
+        if (entry.state is State.WAITING or entry in self.queue) and (
             mine or any(not outer.need.keys().isdisjoint(entry.need) for outer in loading)
         ):
             ticket.holds = True
@@ -534,6 +576,10 @@ class Core:
         if entry.state is State.WAITING:
             self._drop_waiting(entry)
             self._check_empty(entry.owner)
+            schedule(self)
+        elif entry.state is State.DEMOTED:  # nobody waits for its promotion any more
+            self._dequeue(entry)
+            self._rest(entry, entry.idle_since)
             schedule(self)
         elif entry.state is State.LOADING:
             # A cancelled load gives up its key: a request arriving before the
@@ -884,7 +930,7 @@ class Core:
             return
         entry.value = value
         entry.state = State.READY
-        entry.cost = seconds if entry.declared_cost is None else entry.declared_cost
+        entry.reload = entry.cost = seconds if entry.declared_cost is None else entry.declared_cost
         entry.nested = []
         self.loads += 1
         self.load_seconds += seconds
@@ -910,14 +956,7 @@ class Core:
                 owner.entries[entry.key] = entry
         if rejected is not None:
             self._fail_joiners(entry, rejected)
-        # Its requesters get leases, up to its slots; the rest wait for one.
-        granted = entry.joiners if entry.slots is None else entry.joiners[: entry.slots]
-        for ticket in granted:
-            ticket.outcome = True
-            entry.holders.append(ticket.task)
-        entry.leases = len(granted)
-        entry.joiners = entry.joiners[len(granted) :]
-        self.effects.append(Settled(entry))
+        self._lease_joiners(entry)
         if rejected is not None:
             self._start_release(entry, Reason.REJECTED)
         elif entry.leases:
@@ -926,6 +965,105 @@ class Core:
                 return  # Nothing the queue waits on changed: scheduling would do nothing.
         else:
             self._rest(entry, now)
+        schedule(self)
+
+    def _lease_joiners(self, entry: Entry) -> None:
+        """A ready entry's requesters get leases, up to its slots; the rest wait for one."""
+        granted = entry.joiners if entry.slots is None else entry.joiners[: entry.slots]
+        for ticket in granted:
+            ticket.outcome = True
+            entry.holders.append(ticket.task)
+        entry.leases = len(granted)
+        entry.joiners = entry.joiners[len(granted) :]
+        self.effects.append(Settled(entry))
+
+    # ------------------------------------------------------------------- moves
+
+    def move_done(
+        self,
+        entry: Entry,
+        value: Any,
+        measured: dict[str, int] | None,
+        seconds: float,
+        now: float,
+    ) -> None:
+        """The owner moved ``entry``'s value to ``entry.target`` (``_moves``).
+
+        The bytes it left come back; it is charged where it went (as
+        ``measured``, if given). Promoted, it is ready and its requesters
+        get leases; demoted, it is an eviction candidate in the lower tier,
+        or, when requests joined the move, queued at once to come back up.
+        Ignored for an entry no longer moving (``drop_owner`` took it already).
+        """
+        if entry.state is not State.MOVING or entry in self._demoting:
+            return
+        for name, amount in _moves.freed(entry).items():
+            space = self.spaces[name]
+            space.used -= amount
+            space.releasing -= amount
+        if self._remove is not None:
+            self._remove(entry)  # (indexed by the charge it leaves)
+        before = entry.charge
+        assert entry.target is not None
+        self._set_charge(entry, entry.target)
+        entry.target = None
+        entry.value = value
+        if measured is not None:
+            if self.canon:
+                measured = canonical(self.canon, measured)
+            if measured != entry.charge:
+                self._recharge(entry, measured)
+        if entry.promoting:
+            entry.promoting = False
+            entry.home = None
+            entry.promote_cost = seconds
+            entry.cost = entry.reload
+            entry.state = State.READY
+            self.promotions += 1
+        else:
+            if entry.home is None:
+                entry.home = before
+            entry.cost = _moves.parked_cost(entry)
+            entry.state = State.DEMOTED
+            self.demotions += 1
+        if self._admit is not None:
+            self._admit(entry)
+        if entry.state is State.READY:
+            self._lease_joiners(entry)
+            if entry.leases:
+                self.busy[entry] = None
+            else:
+                self._rest(entry, now)
+        elif entry.joiners:
+            _moves.queue_promotion(self, entry)
+        else:
+            self._rest(entry, now)
+        schedule(self)
+
+    def move_failed(self, entry: Entry, error: BaseException) -> None:
+        """The move raised or timed out: quarantined, charged where it was and where it went.
+
+        Nobody knows which of the two holds the value now, so both charges
+        stay until ``forget``; its requesters get ``error``.
+        """
+        if entry.state is not State.MOVING or entry in self._demoting:
+            return
+        for name, amount in _moves.freed(entry).items():
+            self.spaces[name].releasing -= amount
+        target = entry.target or {}
+        both = {
+            name: max(entry.charge.get(name, 0), target.get(name, 0))
+            for name in (*entry.charge, *target)
+        }
+        if entry.joiners:
+            self._fail_joiners(entry, _naming(error, entry))
+        self.moves_failed += 1
+        self._hand_over(entry)
+        self._gone(entry)  # (leaves the policy by the charge it was indexed by)
+        entry.target = None
+        entry.promoting = False
+        self._set_charge(entry, both)
+        self._quarantine(entry, error)
         schedule(self)
 
     def load_abandoned(self, entry: Entry) -> None:
@@ -1106,11 +1244,15 @@ class Core:
 
     # ---------------------------------------------------------------- releases
 
-    def _start_release(self, entry: Entry, reason: Reason) -> None:
+    def _leave_idle(self, entry: Entry) -> None:
+        """Stop ``entry`` being an eviction candidate (or about to become one)."""
         if entry.idle_seq:
             self._unidle(entry)
         elif self._settling.pop(entry, False):
             del self.busy[entry]
+
+    def _start_release(self, entry: Entry, reason: Reason) -> None:
+        self._leave_idle(entry)
         entry.state = State.RELEASING
         for name, amount in entry.charge.items():
             self.spaces[name].releasing += amount
@@ -1249,13 +1391,20 @@ class Core:
         Returns whether there was a loaded (or loading) value to drop.
         """
         entry = owner.entries.get(key)
-        if entry is None or entry.state not in (State.READY, State.LOADING):
+        if entry is None or entry.state not in (
+            State.READY,
+            State.LOADING,
+            State.MOVING,
+            State.DEMOTED,
+        ):
             return False
         if entry.state is State.LOADING:
             self._detach(entry)
             entry.doomed = Reason.INVALIDATE
-        else:
+        elif entry.state is State.READY:
             self._doom(entry, Reason.INVALIDATE)
+        else:
+            self._doom_parked(entry, Reason.INVALIDATE)
         schedule(self)
         return True
 
@@ -1266,7 +1415,7 @@ class Core:
         heap = self._expiry
         while heap and heap[0][0] <= now:
             _, seq, entry = heapq.heappop(heap)
-            if entry.idle_seq == seq and entry.state is State.READY:
+            if entry.idle_seq == seq and entry.state in (State.READY, State.DEMOTED):
                 self._start_release(entry, Reason.IDLE)
                 expired.append(entry)
         if expired:
@@ -1277,7 +1426,10 @@ class Core:
         """When the next idle entry expires, or ``None`` when none can."""
         self._settle()
         heap = self._expiry
-        while heap and (heap[0][2].idle_seq != heap[0][1] or heap[0][2].state is not State.READY):
+        while heap and (
+            heap[0][2].idle_seq != heap[0][1]
+            or heap[0][2].state not in (State.READY, State.DEMOTED)
+        ):
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
@@ -1289,8 +1441,26 @@ class Core:
                 if entry.state is State.READY:
                     self._doom(entry, Reason.CLEAR)
                     count += 1
+                elif entry.state in (State.MOVING, State.DEMOTED) and entry.doomed is None:
+                    self._doom_parked(entry, Reason.CLEAR)
+                    count += 1
         schedule(self)
         return count
+
+    def _doom_parked(self, entry: Entry, reason: Reason) -> None:
+        """Release a moving or demoted entry for ``reason``: now, or once its move ends.
+
+        An idle demoted one (or one whose demotion still waits for room) goes
+        now; one moving, or waited for, gives its key up and goes when its
+        move (and the leases its requesters get) end.
+        """
+        if entry in self._demoting:
+            _moves.give_up(self, entry, reason)
+        elif entry.state is State.DEMOTED and entry not in self.queue:
+            self._start_release(entry, reason)
+        else:
+            self._detach(entry)
+            entry.doomed = reason
 
     def _drain(self, entry: Entry) -> None:
         """Leased ``entry``'s bytes are due to a waiter that waited long (``_scheduler.drain``)."""
@@ -1393,6 +1563,21 @@ class Core:
                 for name, amount in entry.charge.items():
                     self.spaces[name].releasing -= amount
                 self._unorphan(entry)
+            elif state is State.DEMOTED:
+                self._fail_joiners(entry, gone)
+                if entry in self.queue:
+                    self._dequeue(entry)
+                self._leave_idle(entry)
+            elif state is State.MOVING:
+                self._fail_joiners(entry, gone)
+                for name, amount in _moves.freed(entry).items():
+                    self.spaces[name].releasing -= amount
+                if entry in self._demoting:
+                    del self._demoting[entry]
+                else:
+                    for name, amount in _moves.reserved(entry).items():
+                        self.spaces[name].used -= amount
+                entry.target = None
             entry.value = None
             self._discharge(entry)
             self._detach(entry)
@@ -1424,6 +1609,9 @@ class Core:
         _shrink_if_empty(self.queue)
         if entry.holding:
             self._holding_waiters -= 1
+        if entry.state is State.DEMOTED:
+            _moves.start_promotion(self, entry)
+            return
         entry.state = State.LOADING
         self._set_charge(entry, entry.need)
         for name, amount in entry.need.items():
@@ -1437,10 +1625,25 @@ class Core:
         self.effects.append(Settled(entry))
 
     def _fail_waiting(self, entry: Entry, error: BaseException) -> None:
-        """Fail every requester of a waiting entry with ``error`` and drop the entry."""
+        """Fail every requester of a waiting entry with ``error`` and drop the entry.
+
+        A demoted entry waiting for its promotion's room stays demoted.
+        """
         self._fail_joiners(entry, error)
+        if entry.state is State.DEMOTED:
+            self._dequeue(entry)
+            self._rest(entry, entry.idle_since)
+            return
         self._drop_waiting(entry)
         self._check_empty(entry.owner)
+
+    def _dequeue(self, entry: Entry) -> None:
+        """Take a demoted entry's promotion out of the queue (its requesters are gone)."""
+        del self.queue[entry]
+        _shrink_if_empty(self.queue)
+        if entry.holding:
+            self._holding_waiters -= 1
+            entry.holding = 0
 
     def _drop_waiting(self, entry: Entry) -> None:
         if entry.gated:

@@ -39,6 +39,7 @@ __all__ = [
     "Quarantined",
     "Settled",
     "StartLoad",
+    "StartMove",
     "StartRelease",
 ]
 
@@ -128,6 +129,26 @@ class StartRelease(_OfEntry):
 _set_reason: Callable[[StartRelease, Reason], None] = StartRelease.__dict__["reason"].__set__
 
 
+class StartMove(_OfEntry):
+    """Ask ``entry``'s owner to move its value to space ``to`` (``Core.tiers``).
+
+    A demotion (down a tier) or a promotion (back up); both its charge and
+    ``entry.target`` are on the books until it ends. Report the outcome with
+    ``move_done`` or ``move_failed``.
+    """
+
+    __slots__ = ("to",)
+    __match_args__ = ("entry", "to")
+    to: str
+
+    def __init__(self, entry: Entry, to: str) -> None:
+        _set_entry(self, entry)
+        _set_to(self, to)
+
+
+_set_to: Callable[[StartMove, str], None] = StartMove.__dict__["to"].__set__
+
+
 class Settled(_OfEntry):
     """Wake the requesters of ``entry`` whose tickets now have an outcome.
 
@@ -163,4 +184,6 @@ _set_owner: Callable[[OwnerEmpty, Owner], None] = OwnerEmpty.__dict__["owner"]._
 
 
 #: Every kind of work a step may leave for the shell.
-Effect: TypeAlias = StartLoad | CancelLoad | StartRelease | Settled | Quarantined | OwnerEmpty
+Effect: TypeAlias = (
+    StartLoad | CancelLoad | StartRelease | StartMove | Settled | Quarantined | OwnerEmpty
+)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._model import State
+from ._moves import freed, reserved
 
 if TYPE_CHECKING:
     from ._books import Core
@@ -35,12 +36,32 @@ def check(books: Core) -> None:
                 quarantined[name] += amount
             if entry.idle_seq:
                 idle[name] += amount
+        if entry.state is State.MOVING:
+            assert entry.target is not None and not entry.leases and not entry.idle_seq, entry
+            assert entry in entry.owner.live, entry
+            for name, amount in freed(entry).items():
+                releasing[name] += amount
+            if entry not in books._demoting:  # granted: its room is taken
+                for name, amount in reserved(entry).items():
+                    used[name] += amount
+            else:
+                assert not entry.promoting and not entry.joiners, entry
+        else:
+            assert entry not in books._demoting and entry.target is None, entry
+        if entry.state is State.DEMOTED:
+            assert entry.home is not None and not entry.leases, entry
+            # Queued for its promotion exactly while requests wait for it.
+            assert (entry in books.queue) is bool(entry.joiners), entry
+            assert not (entry.joiners and entry.idle_seq), entry
+            assert entry.joiners or entry.idle_seq or entry.doomed is not None, entry
         assert [(s.name, n) for s, n in entry.weights] == [
             (books.spaces[name].name, n) for name, n in entry.charge.items()
         ], entry
         if entry in books.orphans:
             assert entry.state is State.RELEASING, entry
             assert entry not in entry.owner.live, entry
+        if entry in books.queue:
+            assert entry.state in (State.WAITING, State.DEMOTED), entry
         if entry.state is State.WAITING:
             assert (entry in books.queue) is not entry.gated, entry
             assert not entry.gated or (entry in books._gate and not entry.need), entry
@@ -103,6 +124,8 @@ STEPS = (
     "load_done",
     "load_failed",
     "merge_spaces",
+    "move_done",
+    "move_failed",
     "note_alias_evidence",
     "open_owner",
     "prefetch",

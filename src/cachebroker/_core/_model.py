@@ -42,6 +42,12 @@ class State(enum.Enum):
     WAITING = "waiting"
     LOADING = "loading"
     READY = "ready"
+    #: Between spaces (``Core.tiers``): a demotion decided (waiting for room in
+    #: the lower tier, or under way) or a promotion under way.
+    MOVING = "moving"
+    #: Loaded, parked in a lower tier: an eviction candidate there; a request
+    #: queues its promotion back (``Entry.home``).
+    DEMOTED = "demoted"
     RELEASING = "releasing"
     QUARANTINED = "quarantined"
     GONE = "gone"
@@ -101,7 +107,7 @@ class Space:
 class Owner:
     """A cache: one releaser's namespace of keys."""
 
-    __slots__ = ("closing", "entries", "live", "name", "priority", "slots", "ttl")
+    __slots__ = ("closing", "entries", "live", "moves", "name", "priority", "slots", "ttl")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -116,6 +122,8 @@ class Owner:
         self.slots: int | None = None
         self.priority = 0
         self.ttl: float | None = None
+        #: Whether its releaser can move a value between spaces (``Core.tiers``).
+        self.moves = False
 
 
 class Ticket:
@@ -152,6 +160,7 @@ class Entry:
 
     __slots__ = (
         "after",
+        "alternatives",
         "cache",
         "charge",
         "cost",
@@ -161,6 +170,7 @@ class Entry:
         "gated",
         "holders",
         "holding",
+        "home",
         "idle_seq",
         "idle_since",
         "joiners",
@@ -172,12 +182,16 @@ class Entry:
         "owner",
         "pinned",
         "priority",
+        "promote_cost",
+        "promoting",
         "queued_tick",
+        "reload",
         "requests",
         "shell",
         "slots",
         "state",
         "successor",
+        "target",
         "ttl",
         "unknown",
         "value",
@@ -211,7 +225,20 @@ class Entry:
         self.idle_since = 0.0
         #: Reload cost in seconds: the declared one, else the measured load time.
         self.declared_cost: float | None = None
+        self.reload = 0.0
+        #: What losing it where it is now costs, as policies read it: ``reload``,
+        #: or, parked in a lower tier, ``reload`` less its promotion's seconds.
         self.cost = 0.0
+        #: Alternative placements (``acquire(spaces=...)``): ``need`` is one of them.
+        self.alternatives: tuple[dict[str, int], ...] | None = None
+        #: Tiers (``Core.tiers``): the charge it had where it was loaded, while
+        #: it is parked lower (``None``: it is where it was loaded); while
+        #: ``moving``, the charge it moves to, and whether the move goes back up;
+        #: the seconds its latest promotion took (``None``: never promoted).
+        self.home: dict[str, int] | None = None
+        self.target: dict[str, int] | None = None
+        self.promoting = False
+        self.promote_cost: float | None = None
         #: Requests for this entry since it was created, and the core's request
         #: clock (``Core.tick``) at the latest one: what policies rank by.
         self.requests = 0

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from ._effects import Settled
 from ._model import Entry, Reason, State
+from ._moves import evict_one, grant_demotions, reserved
 
 if TYPE_CHECKING:
     from ._books import Core
@@ -52,6 +53,8 @@ def schedule(books: Core) -> None:
     books._settle()
     if books._overdrawn:
         repay(books)
+    if books._demoting:
+        grant_demotions(books)
     books._fair_at = math.inf
     if not books.queue:
         return
@@ -59,6 +62,10 @@ def schedule(books: Core) -> None:
     every_space = len(books.canon_names)
     promised: dict[str, int] = {}  # to earlier waiters: granted in this pass, or covered
     unfinished: set[str] = set()  # spaces where an earlier waiter is not granted yet
+    for demoted in books._demoting:  # (decided before anyone queued for their room)
+        for name, amount in reserved(demoted).items():
+            promised[name] = promised.get(name, 0) + amount
+            unfinished.add(name)
     # Spaces where an earlier waiter cannot be covered, and the highest priority
     # of those: a later waiter of a higher priority may evict what they may not.
     blocked: dict[str, int] = {}
@@ -134,6 +141,8 @@ def schedule(books: Core) -> None:
             promised[name] -= amount
     for entry in grants:
         books._grant(entry)
+    if books._demoting:  # decided in this pass: their room may be free already
+        grant_demotions(books)
     if refused:
         for entry in refused:
             refuse(books, entry)
@@ -244,7 +253,7 @@ def evict(
         if (
             not isinstance(victim, Entry)
             or victim.leases
-            or victim.state is not State.READY
+            or victim.state not in (State.READY, State.DEMOTED)
             or not victim.idle_seq
         ):
             raise RuntimeError(f"policy chose {victim!r}, which is not an idle entry")
@@ -255,7 +264,8 @@ def evict(
     if not partial and any(freed[name] < short for name, short in shortfall.items()):
         return False
     for victim in victims:
-        books._start_release(victim, Reason.CAPACITY)
+        if victim.idle_seq:  # (not taken by an earlier victim's demotion)
+            evict_one(books, victim, Reason.CAPACITY)
     return True
 
 

@@ -34,7 +34,7 @@ from .._core import FAIR_REQUESTS, UNBOUNDED, Core, Entry, Owner, Reason, State,
 from .._errors import BrokerClosed, DeadlockError
 from .._policies import make_policy
 from .._shell._actor import Block
-from .._shell._config import ReleaseFunction, oom_error_types
+from .._shell._config import MoveFunction, ReleaseFunction, oom_error_types
 from .._shell._runner import Runner
 from . import _protocol as wire
 from ._protocol import ProtocolError
@@ -688,8 +688,13 @@ class ClientRunner(Runner):
         slots: int | None = None,
         priority: int = 0,
         ttl: float | None = None,
+        move: MoveFunction | None = None,
     ) -> Block:
-        block = await super().open_block(name, release, slots=slots, priority=priority, ttl=ttl)
+        # (The books here have no tiers: the shared broker's decide, and it
+        # moves nothing; a releaser's move is never called.)
+        block = await super().open_block(
+            name, release, slots=slots, priority=priority, ttl=ttl, move=move
+        )
         assert self.link is not None
         self.link.post({"op": "open", "cache": name})
         return block

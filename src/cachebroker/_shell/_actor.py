@@ -26,7 +26,7 @@ import anyio.abc
 
 from .._core import Core, Entry, Owner
 from .._stats import EvictionReport
-from ._config import ReleaseFunction
+from ._config import MoveFunction, ReleaseFunction
 
 __all__ = ["Actor", "Block"]
 
@@ -39,12 +39,30 @@ class Block:
     set them off.
     """
 
-    __slots__ = ("closed", "context", "empty", "name", "owner", "release", "shut_wait", "tg")
+    __slots__ = (
+        "closed",
+        "context",
+        "empty",
+        "move",
+        "name",
+        "owner",
+        "release",
+        "shut_wait",
+        "tg",
+    )
 
-    def __init__(self, owner: Owner, release: ReleaseFunction, tg: anyio.abc.TaskGroup) -> None:
+    def __init__(
+        self,
+        owner: Owner,
+        release: ReleaseFunction,
+        tg: anyio.abc.TaskGroup,
+        move: MoveFunction | None = None,
+    ) -> None:
         self.owner = owner
         self.name = owner.name
         self.release = release
+        #: The releaser's ``move(key, value, to)``, if it offers one (tiers).
+        self.move = move
         self.tg = tg
         #: Set once the block was left: no new request, nobody left to release.
         self.closed = False
@@ -167,8 +185,12 @@ class Actor(Protocol):
         slots: int | None = None,
         priority: int = 0,
         ttl: float | None = None,
+        move: MoveFunction | None = None,
     ) -> Block:
-        """Open cache ``name``, its entries released through ``release``, with their defaults."""
+        """Open cache ``name``, its entries released through ``release``, with their defaults.
+
+        ``move``: the releaser's, which moves values between tiers.
+        """
 
     async def close_block(
         self,

@@ -38,8 +38,10 @@ from ._config import (
     oom_error_types,
     positive_seconds,
     remembered_sizes,
+    resolve_mover,
     resolve_releaser,
     split_probes,
+    tier_map,
 )
 from ._runner import Runner
 
@@ -106,6 +108,12 @@ class Broker:
             them from a previous broker: ``{cache: {key: size}}``, each size
             as for ``acquire(size=...)``. A load sized by measurement reserves
             its key's remembered size.
+        tiers: Each space's lower tier, ``{"cuda:0": "ram"}``: an idle entry
+            the policy evicts from a space with a lower tier is moved there
+            instead of released, when its cache's releaser offers
+            ``move(key, value, to)`` and the lower tier's policy ranks it
+            above what it would displace there; an acquire moves it back.
+            See docs/memory.md ("Tiers").
 
     .. versionadded:: 0.1.0
     """
@@ -133,9 +141,11 @@ class Broker:
         lease_warning: float | None = 60.0,
         memory_wait: float | None = 5.0,
         probe_interval: float = 1.0,
+        tiers: Mapping[str, str] | None = None,
     ) -> None:
         budget, probes = split_probes(budget)
         spaces = parse_budget(budget)
+        lower = tier_map(tiers, spaces)
         memory_wait = positive_seconds(memory_wait, "memory_wait") if memory_wait else None
         checked_probe_interval = positive_seconds(probe_interval, "probe_interval")
         oom_types = oom_error_types(oom_errors)
@@ -152,6 +162,7 @@ class Broker:
             make_policy(policy),
             idle_ttl=idle_ttl,
             retain=True if probes else None,
+            tiers=lower,
         )
         if isinstance(alias_threshold, bool) or not isinstance(alias_threshold, int):
             raise TypeError(f"alias_threshold must be an int, got {alias_threshold!r}")
@@ -311,7 +322,9 @@ class Broker:
             None if idle_ttl is None else non_negative_seconds(idle_ttl, "idle_ttl", allow_inf=True)
         )
         defaults = (slots, eviction_priority(priority), ttl)
-        return _CacheBlock(self._runner, name, resolve_releaser(releaser), defaults)
+        return _CacheBlock(
+            self._runner, name, resolve_releaser(releaser), defaults, resolve_mover(releaser)
+        )
 
     # -------------------------------------------------------- operations
 

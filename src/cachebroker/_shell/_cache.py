@@ -19,6 +19,7 @@ from .._errors import BrokerClosed, InvalidKey
 from .._sizes import parse_size
 from ._backend import wrong_thread
 from ._config import (
+    MoveFunction,
     ReleaseFunction,
     SizeSpec,
     eviction_priority,
@@ -42,7 +43,7 @@ _PLAIN = frozenset({int, str})
 class _CacheBlock:
     """The async context manager returned by ``Broker.cache``."""
 
-    __slots__ = ("_actor", "_block", "_defaults", "_name", "_releaser")
+    __slots__ = ("_actor", "_block", "_defaults", "_mover", "_name", "_releaser")
 
     def __init__(
         self,
@@ -50,10 +51,12 @@ class _CacheBlock:
         name: str,
         releaser: ReleaseFunction,
         defaults: tuple[int | None, int, float | None] = (None, 0, None),
+        mover: MoveFunction | None = None,
     ) -> None:
         self._actor = actor
         self._name = name
         self._releaser = releaser
+        self._mover = mover
         #: (concurrency, priority, idle_ttl) of the cache's entries by default.
         self._defaults = defaults
         self._block: Block | None = None
@@ -63,7 +66,7 @@ class _CacheBlock:
         actor.check_running()
         slots, priority, ttl = self._defaults
         block = self._block = await actor.open_block(
-            self._name, self._releaser, slots=slots, priority=priority, ttl=ttl
+            self._name, self._releaser, slots=slots, priority=priority, ttl=ttl, move=self._mover
         )
         return Cache(actor, block)
 

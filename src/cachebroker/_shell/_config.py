@@ -51,6 +51,12 @@ class Releaser(Protocol):
     failed: the entry is quarantined and its bytes stay charged.
     """
 
+    # A releaser may also offer ``async def move(self, key, value, to) -> value``
+    # (not part of the protocol, which every releaser must satisfy): with
+    # ``Broker(tiers=...)``, the broker asks it to move an idle value to the
+    # space below (a demotion, instead of a release) and back (a promotion, for
+    # an acquire); it returns the value in its new form. See docs/memory.md.
+
     async def release(self, key: Any, value: Any) -> None:
         """Free ``value``, the value loaded for ``key``.
 
@@ -64,6 +70,8 @@ class Releaser(Protocol):
 
 
 ReleaseFunction = Callable[[Any, Any], Awaitable[None]]
+#: A releaser's optional ``move(key, value, to)``: the value, moved to space ``to``.
+MoveFunction = Callable[[Any, Any, str], Awaitable[Any]]
 #: ``listener(event, fields)``: see ``Broker.add_listener``.
 Listener = Callable[[str, Mapping[str, Any]], None]
 #: Bytes: an ``int`` (numpy integers too), a whole ``float``, or ``"3GiB"``.
@@ -89,6 +97,53 @@ def resolve_releaser(releaser: object) -> ReleaseFunction:
         "releaser must be an object with an 'async def release(self, key, value)' method "
         f"or an async function (key, value) -> None, got {releaser!r}"
     )
+
+
+def resolve_mover(releaser: object) -> MoveFunction | None:
+    """The releaser's ``async def move(self, key, value, to)``, if it offers one."""
+    method = getattr(releaser, "move", None)
+    if method is None:
+        return None
+    if not is_async_callable(method):
+        raise TypeError(
+            "a releaser's move must be 'async def move(self, key, value, to)' returning the "
+            f"value moved to space 'to', got {method!r}"
+        )
+    return cast(MoveFunction, method)
+
+
+def tier_map(tiers: object, budget: Mapping[str, int]) -> dict[str, str]:
+    """``tiers`` as {space: the space below it}: names of the budget's spaces, no cycle."""
+    if tiers is None:
+        return {}
+    if not isinstance(tiers, Mapping):
+        raise TypeError(
+            'tiers must map a space to the space below it, e.g. {"cuda:0": "ram"}, '
+            f"got {tiers!r}"
+        )
+    result: dict[str, str] = {}
+    for upper, lower in tiers.items():
+        for name in (upper, lower):
+            if not isinstance(name, str):
+                raise TypeError(f"tiers names spaces by their names (str), got {name!r}")
+            if name not in budget:
+                raise InvalidArgument(
+                    f"tiers names space {name!r}, which is not in the budget "
+                    f"({', '.join(map(repr, budget))})"
+                )
+        if upper == lower:
+            raise InvalidArgument(f"tiers puts space {upper!r} below itself")
+        result[upper] = lower
+    for start in result:
+        seen = [start]
+        below = result.get(start)
+        while below is not None:
+            if below in seen:
+                cycle = " -> ".join([*seen[seen.index(below) :], below])
+                raise InvalidArgument(f"tiers go round in a circle: {cycle}")
+            seen.append(below)
+            below = result.get(below)
+    return result
 
 
 def non_negative_seconds(value: object, what: str, *, allow_inf: bool = False) -> float:

@@ -48,6 +48,7 @@ from .._core import (
     Reason,
     Settled,
     StartLoad,
+    StartMove,
     StartRelease,
     State,
     Ticket,
@@ -70,7 +71,7 @@ from ..probes import Probe
 from . import _backend, _logging
 from ._actor import Block
 from ._backend import Fault, classify, task_name
-from ._config import Listener, ReleaseFunction, is_async_callable
+from ._config import Listener, MoveFunction, ReleaseFunction, is_async_callable
 
 __all__ = ["Runner"]
 
@@ -93,6 +94,7 @@ class _Slot:
         "is_async",
         "load",
         "measure",
+        "moving_to",
         "queued_at",
         "release_started",
         "released",
@@ -118,6 +120,8 @@ class _Slot:
         #: When the request that created the entry asked for space, when its
         #: release was requested, and whether that release timed out.
         self.queued_at = now
+        #: The space a move of the entry goes to while it runs (tiers).
+        self.moving_to: str | None = None
         self.release_started = now
         self.timed_out = False
 
@@ -324,16 +328,19 @@ class Runner:
         slots: int | None = None,
         priority: int = 0,
         ttl: float | None = None,
+        move: MoveFunction | None = None,
     ) -> Block:
         """Open cache ``name``: its owner in the books (with its defaults), its task group."""
-        owner = self.core.open_owner(name, slots=slots, priority=priority, ttl=ttl)
+        owner = self.core.open_owner(
+            name, slots=slots, priority=priority, ttl=ttl, moves=move is not None
+        )
         tg = anyio.create_task_group()
         try:
             await tg.__aenter__()
         except BaseException:
             self.core.forget_owner(owner)
             raise
-        cache = self._caches[owner] = Block(owner, release, tg)
+        cache = self._caches[owner] = Block(owner, release, tg, move)
         return cache
 
     async def close_block(
@@ -471,6 +478,8 @@ class Runner:
                         self._start_load(entry)
                     case StartRelease(entry, reason):
                         self._start_release(entry, reason)
+                    case StartMove(entry, to):
+                        self._start_move(entry, to)
                     case CancelLoad(entry):
                         slot = entry.shell
                         slot.cancelled = True
@@ -484,15 +493,17 @@ class Runner:
                                 slot.thread_wait.cancel()
                     case Quarantined(entry):
                         slot = entry.shell
+                        moved = {} if slot.moving_to is None else {"to": slot.moving_to}
                         self.emit(
                             "error",
-                            ev.RELEASE_FAILED,
+                            ev.RELEASE_FAILED if slot.moving_to is None else ev.MOVE_FAILED,
                             cache=entry.owner.name,
                             key=entry.key,
                             error=repr(entry.error),
                             timed_out=slot.timed_out,
                             seconds=self._since(slot.release_started),
                             bytes=dict(entry.charge),
+                            **moved,
                         )
                     case OwnerEmpty(owner):
                         cache = self._caches.get(owner)
@@ -896,6 +907,115 @@ class Runner:
             self.apply()
             assert slot.released is not None
             slot.released.set()
+
+    def _start_move(self, entry: Entry, to: str) -> None:
+        """Have the owner move ``entry``'s value to space ``to`` (a demotion or a promotion)."""
+        cache = self._caches.get(entry.owner)
+        slot: _Slot = entry.shell
+        slot.release_started = self.clock()
+        slot.timed_out = False
+        slot.moving_to = to
+        if cache is None or cache.closed or cache.move is None:
+            self.core.move_failed(
+                entry,
+                ReleaseFailed(
+                    f"cache {entry.owner.name!r} was closed before "
+                    f"{entry.owner.name}:{entry.key!r} could be moved to {to!r}"
+                ),
+            )
+            return
+        self.emit(
+            "info",
+            ev.MOVE_START,
+            cache=cache.name,
+            key=entry.key,
+            to=to,
+            up=entry.promoting,
+            bytes=dict(entry.charge),
+        )
+        cache.spawn(
+            self._run_move, cache, entry, to, name=f"cachebroker move {cache.name}:{entry.key!r}"
+        )
+
+    async def _run_move(self, cache: Block, entry: Entry, to: str) -> None:
+        """Run the owner's ``move``, watched by ``release_timeout``, and book how it ended.
+
+        A move that raises, is cancelled or times out quarantines the entry
+        with both charges (``Core.move_failed``): the value's state is unknown.
+        """
+        core = self.core
+        slot: _Slot = entry.shell
+        assert cache.move is not None
+        watchdog = anyio.CancelScope()
+        if self.release_timeout is not None:
+            cache.spawn(self._watch_move, entry, to, watchdog, self.release_timeout)
+        started = self.clock()
+        task = self.current_task()
+        self._releasing_tasks.add(task)  # (it may not wait for space: see request)
+        try:
+            value = await cache.move(entry.key, entry.value, to)
+            seconds = max(0.0, self.clock() - started)
+            measured, error, fatal = self._measure(entry, slot, value)
+            if error is not None:
+                raise error
+        except BaseException as exc:
+            watchdog.cancel()
+            fault = classify(exc)
+            if entry.state is State.MOVING and not slot.timed_out:
+                failure = ReleaseFailed(
+                    f"moving {entry.owner.name}:{entry.key!r} to {to!r} "
+                    + ("was cancelled" if fault is Fault.CANCELLED else f"raised {exc!r}")
+                )
+                failure.__cause__ = exc
+                self._move_failed(entry, failure)
+            if fault is not Fault.FAILED:
+                raise
+            return
+        finally:
+            self._releasing_tasks.discard(task)
+            if not self._releasing_tasks:
+                self._releasing_tasks.clear()
+        watchdog.cancel()
+        if slot.timed_out:  # booked as failed already; the value it returns is lost
+            return
+        up = entry.promoting
+        slot.moving_to = None
+        core.move_done(entry, value, measured, seconds, self.clock())
+        self.emit(
+            "info",
+            ev.MOVE_DONE,
+            cache=cache.name,
+            key=entry.key,
+            to=to,
+            up=up,
+            seconds=round(seconds, 6),
+            bytes=dict(entry.charge),
+        )
+        if entry.idle_seq:
+            self.note_idle(entry)
+        self.apply()
+        if fatal is not None:
+            raise fatal
+
+    def _move_failed(self, entry: Entry, failure: BaseException) -> None:
+        """Book a failed move: quarantined with both charges (the ``Quarantined`` effect logs it)."""
+        self.core.move_failed(entry, failure)
+        self.apply()
+
+    async def _watch_move(
+        self, entry: Entry, to: str, scope: anyio.CancelScope, timeout: float
+    ) -> None:
+        with scope:
+            await anyio.sleep(timeout)
+            entry.shell.timed_out = True
+            self.release_timeouts += 1
+            self._move_failed(
+                entry,
+                ReleaseFailed(
+                    f"moving {entry.owner.name}:{entry.key!r} to {to!r} was not "
+                    f"acknowledged within {timeout:g}s"
+                ),
+            )
 
     async def _released(self, cache: Block, entry: Entry) -> None:
         """Run the releaser; warn if one of its steps blocked the event loop too long."""

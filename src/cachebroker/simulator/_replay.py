@@ -36,6 +36,7 @@ from .._core import (
     Reason,
     Settled,
     StartLoad,
+    StartMove,
     StartRelease,
     State,
     Ticket,
@@ -171,9 +172,9 @@ def replay(
                             if ticket.outcome is True:
                                 end(entry, ticket.task, holds.pop(ticket))
                         entry.shell.tickets = []
-                    case CancelLoad() | Quarantined() | OwnerEmpty():
+                    case CancelLoad() | Quarantined() | OwnerEmpty() | StartMove():
                         # Never made here: requests are never withdrawn, owners never
-                        # close, and releases are acknowledged at once.
+                        # close nor move values, and releases are acknowledged at once.
                         pass
                     case _:
                         assert_never(effect)

@@ -1,0 +1,254 @@
+"""Tiers: move an idle value down a tier instead of releasing it, and back up on demand.
+
+``Core.tiers`` maps a space to the space below it (``{"cuda:0": "ram"}``).
+When the scheduler evicts an idle entry whose owner can move values
+(``Owner.moves``) and whose charge lies in one tiered space, ``evict_one``
+asks the lower tier's policy whether the value is worth its room there: the
+value enters that policy's ranking as a candidate (``_Parked``: charged in
+the lower tier, its cost the reload seconds a promotion would save) and the
+policy picks the victims that would cover the room the lower tier lacks.
+When the candidate is among them, or a promotion costs as much as a cold
+load, the value is released as before; otherwise those victims go and the
+value is demoted. So the lower tier evicts by the same policy, and a
+demoted entry can itself be dropped (or demoted further) later.
+
+A move is charged in both spaces until it ends, so neither is over-committed:
+the bytes it frees (``freed``) are ``releasing`` from the decision on (they
+are what the waiters it was evicted for count on), and the bytes it takes
+(``reserved``) are added to ``used`` when it is granted. A demotion waits in
+``Core._demoting`` (ahead of every waiter of its lower tier) only for
+releases already in flight there; if those fail, it gives up and the value
+is released instead, so a waiter never waits on a demotion that cannot
+happen. A request for a demoted entry queues its promotion like a load (the
+same queue, placement, eviction and fairness); a request during a move joins
+it; a request while a demotion still waits for room takes the entry back at
+once. A move that fails quarantines the entry with both charges: nobody
+knows which form of the value still holds memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ._effects import StartMove, StartRelease
+from ._model import Entry, Reason, State
+
+if TYPE_CHECKING:
+    from ._books import Core
+
+__all__ = [
+    "cancel_demotion",
+    "evict_one",
+    "freed",
+    "give_up",
+    "grant_demotions",
+    "parked_cost",
+    "queue_promotion",
+    "reserved",
+    "start_promotion",
+]
+
+
+def reserved(entry: Entry) -> dict[str, int]:
+    """The bytes a move of ``entry`` takes in each space beyond its charge."""
+    target = entry.target or {}
+    charge = entry.charge
+    return {n: a - charge.get(n, 0) for n, a in target.items() if a > charge.get(n, 0)}
+
+
+def freed(entry: Entry) -> dict[str, int]:
+    """The bytes a move of ``entry`` gives back in each space of its charge."""
+    target = entry.target or {}
+    return {n: a - target.get(n, 0) for n, a in entry.charge.items() if a > target.get(n, 0)}
+
+
+def destination(entry: Entry) -> str:
+    """The space a move of ``entry`` goes to: where it takes the most bytes."""
+    gains = reserved(entry)
+    if not gains:  # (a move within one space: measured sizes made them equal)
+        return next(iter(entry.target or entry.charge))
+    return max(gains, key=gains.__getitem__)
+
+
+class _Parked:
+    """An idle entry as it would be in the lower tier: the candidate the policy ranks there."""
+
+    __slots__ = ("cache", "charge", "cost", "idle_seq", "key", "last_request", "priority", "requests")
+
+    def __init__(self, entry: Entry, charge: dict[str, int], seq: int) -> None:
+        self.key: Hashable = entry.key
+        self.cache = entry.cache
+        self.charge: Mapping[str, int] = charge
+        self.cost = parked_cost(entry)
+        self.requests = entry.requests
+        self.last_request = entry.last_request
+        self.priority = entry.priority
+        self.idle_seq = seq
+
+    @property
+    def idle(self) -> bool:
+        return True
+
+
+def parked_cost(entry: Entry) -> float:
+    """What dropping ``entry`` from a lower tier costs: a cold load instead of a promotion."""
+    return max(entry.reload - (entry.promote_cost or 0.0), 0.0)
+
+
+def evict_one(books: Core, victim: Entry, reason: Reason) -> None:
+    """Free ``victim``'s bytes: demote it a tier when worth it, else release it."""
+    plan = _plan(books, victim) if books.tiers and reason is Reason.CAPACITY else None
+    if plan is None:
+        books._start_release(victim, reason)
+        return
+    target, displaced = plan
+    for other in displaced:
+        if other.idle_seq:  # (not taken by an earlier step of this cascade)
+            evict_one(books, other, reason)
+    books._leave_idle(victim)
+    victim.state = State.MOVING
+    victim.target = target
+    victim.promoting = False
+    for name, amount in freed(victim).items():
+        books.spaces[name].releasing += amount
+    books._demoting[victim] = None
+
+
+def _plan(books: Core, entry: Entry) -> tuple[dict[str, int], list[Entry]] | None:
+    """Where ``entry`` would go a tier down, and what must go there first; ``None``: release it."""
+    owner = entry.owner
+    if not owner.moves or owner.closing or entry.doomed is not None or books.closed:
+        return None
+    source = lower = None
+    for name in entry.charge:
+        below = books.tiers.get(name)
+        if below is not None:
+            if source is not None:
+                return None  # charged in two tiered spaces: not one move
+            source, lower = name, books.canon.get(below, below)
+    if source is None or lower is None or lower == source:
+        return None
+    if entry.promote_cost is not None and entry.promote_cost >= entry.reload:
+        return None  # a promotion would cost what a cold load costs: nothing to save
+    amount = entry.charge[source]
+    target = {name: n for name, n in entry.charge.items() if name != source}
+    target[lower] = target.get(lower, 0) + amount
+    space = books.spaces[lower]
+    if target[lower] > space.attainable:
+        return None
+    if any(lower in waiter.need for waiter in books.queue):
+        return None  # the lower tier's own waiters come first
+    pending = sum(reserved(e).get(lower, 0) for e in books._demoting)
+    short = amount - (space.capacity - space.used + space.releasing - pending)
+    if short <= 0:
+        return target, []
+    if space.idle_bytes < short:
+        return None
+    displaced = _displaced(books, entry, {lower: target[lower]}, lower, short)
+    return None if displaced is None else (target, displaced)
+
+
+def _displaced(
+    books: Core, entry: Entry, charge: dict[str, int], lower: str, short: int
+) -> list[Entry] | None:
+    """The lower tier's victims for ``entry``'s room there, by its policy; ``None`` when
+    the policy would rather drop ``entry`` itself (or cannot make the room)."""
+    # (The books' hooks are typed for their entries; a policy takes any PolicyEntry.)
+    parked: Any = _Parked(entry, charge, next(books._seq))
+    policy = books.policy
+    if books._admit is not None:
+        books._admit(parked)
+    policy.idle(parked)
+    try:
+        priorities = books._priorities
+        chosen = (
+            policy.victims({lower: short})
+            if priorities is None
+            else priorities.victims({lower: short}, entry.priority)
+        )
+    finally:
+        if books._busy is not None:
+            books._busy(parked)
+        if books._remove is not None:
+            books._remove(parked)
+    if any(victim is parked for victim in chosen):
+        return None
+    victims = [v for v in chosen if isinstance(v, Entry) and v.idle_seq and not v.leases]
+    if sum(v.charge.get(lower, 0) for v in victims) < short:
+        return None
+    return victims
+
+
+def grant_demotions(books: Core) -> None:
+    """Start the demotions whose room in the lower tier is free now, first decided first.
+
+    One whose room is no longer coming (a release it waited for failed)
+    gives up: its entry is released instead.
+    """
+    spaces = books.spaces
+    ahead: dict[str, int] = {}  # reserved by earlier demotions still waiting
+    for entry in list(books._demoting):
+        taking = reserved(entry)
+        if not any(name in ahead for name in taking) and all(
+            spaces[name].used + amount <= spaces[name].capacity for name, amount in taking.items()
+        ):
+            del books._demoting[entry]
+            for name, amount in taking.items():
+                spaces[name].used += amount
+            books.effects.append(StartMove(entry, destination(entry)))
+            continue
+        coming = all(
+            amount
+            <= spaces[name].capacity
+            - spaces[name].used
+            + spaces[name].releasing
+            - ahead.get(name, 0)
+            for name, amount in taking.items()
+        )
+        if coming:
+            for name, amount in taking.items():
+                ahead[name] = ahead.get(name, 0) + amount
+        else:
+            give_up(books, entry)
+
+
+def give_up(books: Core, entry: Entry, reason: Reason = Reason.CAPACITY) -> None:
+    """Release, for ``reason``, an entry whose demotion waits for room (that is not coming)."""
+    del books._demoting[entry]
+    going = freed(entry)
+    for name, amount in entry.charge.items():  # all of it is releasing now
+        books.spaces[name].releasing += amount - going.get(name, 0)
+    entry.target = None
+    entry.state = State.RELEASING
+    books.evictions[reason] += 1
+    books.effects.append(StartRelease(entry, reason))
+
+
+def cancel_demotion(books: Core, entry: Entry) -> None:
+    """A request for an entry whose demotion still waits for room: it stays where it is."""
+    del books._demoting[entry]
+    for name, amount in freed(entry).items():
+        books.spaces[name].releasing -= amount
+    entry.target = None
+    entry.state = State.READY
+
+
+def queue_promotion(books: Core, entry: Entry) -> None:
+    """A request for a demoted entry: queue its move back up, for its home's room."""
+    books._leave_idle(entry)
+    assert entry.home is not None
+    entry.need = dict(entry.home)
+    books._enqueue(entry)
+
+
+def start_promotion(books: Core, entry: Entry) -> None:
+    """A queued promotion was granted ``entry.need``: reserve it and start the move."""
+    entry.state = State.MOVING
+    entry.promoting = True
+    entry.target = dict(entry.need)
+    for name, amount in reserved(entry).items():
+        books.spaces[name].used += amount
+    for name, amount in freed(entry).items():
+        books.spaces[name].releasing += amount
+    books.effects.append(StartMove(entry, destination(entry)))
