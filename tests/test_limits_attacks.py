@@ -793,7 +793,8 @@ def test_priorities_changed_while_waiting_loading_leased_and_releasing(policy: s
     assert priorities is not None
     for entry in core.entries():
         if entry.idle_seq:
-            assert priorities._home[entry] == entry.priority and entry in priorities._idle[entry.priority]
+            assert priorities._home[entry] == entry.priority
+            assert entry in priorities._idle[entry.priority]
 
 
 def test_merged_spaces_keep_the_priorities_order() -> None:

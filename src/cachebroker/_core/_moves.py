@@ -74,7 +74,16 @@ def destination(entry: Entry) -> str:
 class _Parked:
     """An idle entry as it would be in the lower tier: the candidate the policy ranks there."""
 
-    __slots__ = ("cache", "charge", "cost", "idle_seq", "key", "last_request", "priority", "requests")
+    __slots__ = (
+        "cache",
+        "charge",
+        "cost",
+        "idle_seq",
+        "key",
+        "last_request",
+        "priority",
+        "requests",
+    )
 
     def __init__(self, entry: Entry, charge: dict[str, int], seq: int) -> None:
         self.key: Hashable = entry.key

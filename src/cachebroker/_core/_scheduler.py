@@ -247,7 +247,11 @@ def evict(
     victims: list[Entry] = []
     freed = dict.fromkeys(shortfall, 0)
     priorities = books._priorities
-    chosen = books.policy.victims(shortfall) if priorities is None else priorities.victims(shortfall, up_to)
+    chosen = (
+        books.policy.victims(shortfall)
+        if priorities is None
+        else priorities.victims(shortfall, up_to)
+    )
     for victim in chosen:
         # A policy sees entries as PolicyEntry: only one of the books' own may come back.
         if (

@@ -118,8 +118,7 @@ def tier_map(tiers: object, budget: Mapping[str, int]) -> dict[str, str]:
         return {}
     if not isinstance(tiers, Mapping):
         raise TypeError(
-            'tiers must map a space to the space below it, e.g. {"cuda:0": "ram"}, '
-            f"got {tiers!r}"
+            f'tiers must map a space to the space below it, e.g. {{"cuda:0": "ram"}}, got {tiers!r}'
         )
     result: dict[str, str] = {}
     for upper, lower in tiers.items():

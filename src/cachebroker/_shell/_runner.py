@@ -998,7 +998,7 @@ class Runner:
             raise fatal
 
     def _move_failed(self, entry: Entry, failure: BaseException) -> None:
-        """Book a failed move: quarantined with both charges (the ``Quarantined`` effect logs it)."""
+        """Book a failed move: quarantined with both charges (logged by ``Quarantined``)."""
         self.core.move_failed(entry, failure)
         self.apply()
 
