@@ -443,6 +443,7 @@ class Core:
         held: tuple[Entry, ...] | None = None,
         slots: int | None = None,
         priority: int | None = None,
+        places: tuple[str, ...] | None = None,
     ) -> Ticket:
         """Ask for ``key`` on behalf of ``task``; returns a ticket to wait on.
 
@@ -467,6 +468,10 @@ class Core:
         ``urgent`` says the same of a request relayed from another process
         (whose loaders and leases these books do not see), and ``held`` names
         the entries its task leases there, for deadlock detection.
+
+        ``places``: the spaces a new entry may be loaded in, ``need`` being
+        its size in the first (one space); the scheduler chooses among those
+        that can ever hold it and would not wait on ``task``'s own leases.
 
         Raises:
             RequestTooLarge: ``need`` exceeds a space's whole budget.
@@ -508,12 +513,21 @@ class Core:
                 need = {} if remembered is None else dict(remembered)
             if self.canon:
                 need = canonical(self.canon, need)
+            if places is not None:
+                places, need = self._placeable(owner, key, places, need, task, held)
             self._check_fit(owner, key, need)
             mine = self._leased_by(task, need, queued=bool(self.queue), held=held)
             self._check_deadlock(owner, key, need, mine)
             urgent = unknown and (urgent or bool(loading) or self._holds_any(task))
             entry = self._create(
-                owner, key, need, unknown=unknown, urgent=urgent, slots=slots, priority=priority
+                owner,
+                key,
+                need,
+                unknown=unknown,
+                urgent=urgent,
+                slots=slots,
+                priority=priority,
+                places=places,
             )
             entry.declared_cost = cost
             self._count_request(entry)
@@ -600,6 +614,7 @@ class Core:
         pin: bool = False,
         loading: tuple[Entry, ...] = (),
         priority: int | None = None,
+        places: tuple[str, ...] | None = None,
     ) -> Ticket | None:
         """Have ``key`` loaded on behalf of ``task``, without counting a request.
 
@@ -629,7 +644,14 @@ class Core:
         self._prefetching = True
         try:
             return self.request(
-                owner, key, need, task, cost=cost, loading=loading, priority=priority
+                owner,
+                key,
+                need,
+                task,
+                cost=cost,
+                loading=loading,
+                priority=priority,
+                places=places,
             )
         finally:
             self._prefetching = False
@@ -662,12 +684,14 @@ class Core:
         urgent: bool = False,
         slots: int | None = None,
         priority: int | None = None,
+        places: tuple[str, ...] | None = None,
     ) -> Entry:
         if priority is None:
             priority = owner.priority
         self._prepare_priority(priority)
         entry = Entry(owner, key, need)
         entry.priority = priority
+        entry.places = places
         if slots is not None:
             entry.slots = slots
         current = owner.entries.get(key)
@@ -733,6 +757,40 @@ class Core:
                 "so only broker.forget(cache, key) can return that memory"
             )
         return None
+
+    def _placeable(
+        self,
+        owner: Owner,
+        key: Hashable,
+        places: tuple[str, ...],
+        need: dict[str, int],
+        task: object,
+        held: tuple[Entry, ...] | None,
+    ) -> tuple[tuple[str, ...] | None, dict[str, int]]:
+        """The places a new entry of size ``need`` (in one space) may go, and its first need.
+
+        Places that can never hold it, or only by evicting ``task``'s own
+        leases, are left out; with none left, the first one's error is raised.
+        ``None``: a single place is left (an ordinary entry).
+        """
+        amount = sum(need.values())
+        names = list(dict.fromkeys(self.canon.get(name, name) for name in places))
+        kept: list[str] = []
+        first: BaseException | None = None
+        for name in names:
+            alternative = {name: amount}
+            try:
+                self._check_fit(owner, key, alternative)
+                mine = self._leased_by(task, alternative, queued=bool(self.queue), held=held)
+                self._check_deadlock(owner, key, alternative, mine)
+            except (OutOfSpace, DeadlockError) as exc:
+                first = first or exc
+                continue
+            kept.append(name)
+        if not kept:
+            assert first is not None
+            raise first
+        return (tuple(kept) if len(kept) > 1 else None), {kept[0]: amount}
 
     def _holds_any(self, task: object) -> bool:
         """Whether ``task`` holds a lease (on anything)."""

@@ -160,7 +160,6 @@ class Entry:
 
     __slots__ = (
         "after",
-        "alternatives",
         "cache",
         "charge",
         "cost",
@@ -181,6 +180,7 @@ class Entry:
         "nested",
         "owner",
         "pinned",
+        "places",
         "priority",
         "promote_cost",
         "promoting",
@@ -229,8 +229,9 @@ class Entry:
         #: What losing it where it is now costs, as policies read it: ``reload``,
         #: or, parked in a lower tier, ``reload`` less its promotion's seconds.
         self.cost = 0.0
-        #: Alternative placements (``acquire(spaces=...)``): ``need`` is one of them.
-        self.alternatives: tuple[dict[str, int], ...] | None = None
+        #: The spaces it may be placed in (``acquire(spaces=...)``), in the order
+        #: given; ``need`` is its size in one of them, chosen when it is granted.
+        self.places: tuple[str, ...] | None = None
         #: Tiers (``Core.tiers``): the charge it had where it was loaded, while
         #: it is parked lower (``None``: it is where it was loaded); while
         #: ``moving``, the charge it moves to, and whether the move goes back up;

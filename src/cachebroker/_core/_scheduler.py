@@ -76,6 +76,8 @@ def schedule(books: Core) -> None:
         if len(blocked) == every_space and not books._holding_waiters and uniform:
             break  # Nobody further back may be granted or evicted for.
         priority = entry.priority
+        if entry.places is not None:
+            _place(books, entry, promised, unfinished, blocked)
         # One pass over its spaces (usually a single one) gathers what the
         # decision needs and promises it their bytes, taken back below if it
         # is refused, held back or not covered after all.
@@ -128,6 +130,8 @@ def schedule(books: Core) -> None:
                 else shortfall
             )
             _block(blocked, need, priority)
+            if entry.places is not None:  # the first in line in each of its places
+                _block(blocked, dict.fromkeys(entry.places, 0), priority)
             if heads:
                 drain(books, entry, heads)
         elif grantable:  # promised, and granted at once
@@ -147,6 +151,66 @@ def schedule(books: Core) -> None:
         for entry in refused:
             refuse(books, entry)
         schedule(books)  # What they were not promised may go to those behind them.
+
+
+def _place(
+    books: Core,
+    entry: Entry,
+    promised: Mapping[str, int],
+    unfinished: set[str],
+    blocked: Mapping[str, int],
+) -> None:
+    """Choose the space of a waiter with places (``acquire(spaces=...)``): set ``entry.need``.
+
+    The first place it fits now without evicting (and where nobody earlier
+    waits), else the first whose in-flight releases will make room, else the
+    one whose eviction is cheapest (the reload seconds of the victims the
+    policy would pick there; ties to the earlier place). Places where an
+    earlier waiter of its priority is blocked, or that quarantine made too
+    small, come last; the waiter then waits (or is refused) in the first.
+    """
+    amount = sum(entry.need.values())
+    spaces = books.spaces
+    open_places = [
+        name
+        for name in entry.places or ()
+        if amount <= spaces[name].attainable
+        and not (name in blocked and entry.priority <= blocked[name])
+    ]
+    room: str | None = None
+    for name in open_places:
+        space = spaces[name]
+        taken = promised.get(name, 0)
+        if name not in unfinished and space.used + taken + amount <= space.capacity:
+            entry.need = {name: amount}
+            return
+        if room is None and amount <= space.capacity - space.used + space.releasing - taken:
+            room = name
+    if room is not None:
+        entry.need = {room: amount}
+        return
+    cheapest: tuple[float, int] | None = None
+    priorities = books._priorities
+    for name in open_places:
+        space = spaces[name]
+        short = amount - (space.capacity - space.used + space.releasing - promised.get(name, 0))
+        if space.idle_bytes < short:
+            continue
+        shortfall = {name: short}
+        victims = (
+            books.policy.victims(shortfall)
+            if priorities is None
+            else priorities.victims(shortfall, entry.priority)
+        )
+        if sum(v.charge.get(name, 0) for v in victims) < short:
+            continue
+        price = (sum(v.cost for v in victims), sum(v.charge.get(name, 0) for v in victims))
+        if cheapest is None or price < cheapest:
+            cheapest = price
+            entry.need = {name: amount}
+    if cheapest is None:
+        first = open_places[0] if open_places else (entry.places or ())[0]
+        entry.need = {first: amount}
 
 
 def _block(blocked: dict[str, int], need: Mapping[str, int], priority: int) -> None:

@@ -717,6 +717,9 @@ class ClientRunner(Runner):
         self.link.request(entry)
         super()._start_load(entry)
 
+    #: (The shared broker's books would have to choose among places: not yet.)
+    placement = False
+
     async def _admit(self, entry: Entry) -> BaseException | None:
         assert self.link is not None
         return await self.link.admit(entry)

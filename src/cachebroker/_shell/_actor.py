@@ -155,9 +155,11 @@ class Actor(Protocol):
         *,
         slots: int | None = None,
         priority: int | None = None,
+        places: tuple[str, ...] | None = None,
     ) -> tuple[Entry, object]:
         """Acquire ``key`` when it is not ready, or limited (a miss, a join, a slot wait):
-        the entry and its holder."""
+        the entry and its holder. ``places``: ``acquire(spaces=...)``; ``load`` then
+        takes the chosen space's name."""
 
     async def prefetch(
         self,
@@ -171,6 +173,7 @@ class Actor(Protocol):
         idle_ttl: float | None,
         pin: bool,
         priority: int | None = None,
+        places: tuple[str, ...] | None = None,
     ) -> None:
         """Have ``key`` loaded, holding no lease once it is (``Cache.prefetch``)."""
 

@@ -7,7 +7,7 @@ the slow path's ``request``, the block's ``open_block`` and ``close_block``.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from threading import get_ident
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 import anyio
 
 from .._core import Entry
-from .._errors import BrokerClosed, InvalidKey
-from .._sizes import parse_size
+from .._errors import BrokerClosed, InvalidArgument, InvalidKey
+from .._sizes import parse_bytes, parse_size
 from ._backend import wrong_thread
 from ._config import (
     MoveFunction,
@@ -126,6 +126,7 @@ class Cache:
         pin: bool = False,
         concurrency: int | None = None,
         priority: int | None = None,
+        spaces: None = None,
     ) -> Lease[T]: ...
 
     @overload
@@ -142,13 +143,48 @@ class Cache:
         pin: bool = False,
         concurrency: int | None = None,
         priority: int | None = None,
+        spaces: None = None,
+    ) -> Lease[T]: ...
+
+    @overload
+    def acquire(
+        self,
+        key: Hashable,
+        *,
+        load: Callable[[str], Awaitable[T]],
+        size: SizeSpec = None,
+        measure: Callable[[T], Any] | None = None,
+        timeout: float | None = None,
+        cost: float | None = None,
+        idle_ttl: float | None = None,
+        pin: bool = False,
+        concurrency: int | None = None,
+        priority: int | None = None,
+        spaces: Sequence[str],
+    ) -> Lease[T]: ...
+
+    @overload
+    def acquire(
+        self,
+        key: Hashable,
+        *,
+        load: Callable[[str], T],
+        size: SizeSpec = None,
+        measure: Callable[[T], Any] | None = None,
+        timeout: float | None = None,
+        cost: float | None = None,
+        idle_ttl: float | None = None,
+        pin: bool = False,
+        concurrency: int | None = None,
+        priority: int | None = None,
+        spaces: Sequence[str],
     ) -> Lease[T]: ...
 
     def acquire(
         self,
         key: Hashable,
         *,
-        load: Callable[[], Any],
+        load: Callable[..., Any],
         size: SizeSpec = None,
         measure: Callable[[Any], Any] | None = None,
         timeout: float | None = None,
@@ -157,6 +193,7 @@ class Cache:
         pin: bool = False,
         concurrency: int | None = None,
         priority: int | None = None,
+        spaces: Sequence[str] | None = None,
     ) -> Lease[Any]:
         """Lease the value of ``key``, loading it first if needed.
 
@@ -205,6 +242,16 @@ class Cache:
                 the policy's ranking, and a request never evicts entries of a
                 higher priority than its own (it waits instead). ``None``: the
                 cache's default (0 unless set). The latest acquire's setting wins.
+            spaces: Places the value may be loaded in, such as ``["cuda:0",
+                "cuda:1"]``; ``size`` is then its size in whichever is chosen
+                (bytes or ``"16GiB"``), and ``load`` is called with the chosen
+                space's name. The broker chooses when it grants the load: the
+                first place where it fits without evicting, else the first
+                where releases already under way make room, else the one whose
+                eviction costs the least reload time by the policy's choice of
+                victims; first come first served still holds in each space.
+                A value moved down a tier (``Broker(tiers=...)``) is placed
+                again the same way when an acquire moves it back up.
 
         Raises:
             RequestTooLarge: the size exceeds a space's whole budget.
@@ -227,7 +274,9 @@ class Cache:
                 f"acquiring {self.name}:{key!r}: load must be a callable taking no argument, "
                 f"got {load!r}"
             )
-        if size is not None and (size.__class__ not in _PLAIN or size not in self._sizes_seen):
+        if spaces is not None:  # (the size is the one in whichever space is chosen)
+            spaces = self._check_places(key, spaces, size)
+        elif size is not None and (size.__class__ not in _PLAIN or size not in self._sizes_seen):
             self._check_size(key, size)
         if timeout is not None:
             timeout = positive_seconds(timeout, "timeout", inf_is_none=True)
@@ -239,6 +288,7 @@ class Cache:
             and measure is None
             and concurrency is None
             and priority is None
+            and spaces is None
         ):
             lease = Lease()  # The hit path's usual call.
         else:
@@ -268,6 +318,7 @@ class Cache:
             )
             #: ``(idle_ttl, pin)`` for the entry once acquired, if either was given.
             tuned._options = None if idle_ttl is None and not pin else (idle_ttl, pin)
+            tuned._places = spaces
             lease = tuned
         # ``Lease`` has no __init__ (a call to one costs a tenth of a hit): its
         # fields are filled in here.
@@ -284,7 +335,7 @@ class Cache:
         self,
         key: Hashable,
         *,
-        load: Callable[[], Any],
+        load: Callable[..., Any],
         size: SizeSpec = None,
         measure: Callable[[Any], Any] | None = None,
         timeout: float | None = None,
@@ -292,6 +343,7 @@ class Cache:
         idle_ttl: float | None = None,
         pin: bool = False,
         priority: int | None = None,
+        spaces: Sequence[str] | None = None,
     ) -> None:
         """Load ``key`` into the cache without holding a lease; return once it is loaded.
 
@@ -323,7 +375,8 @@ class Cache:
         .. versionadded:: 0.1.0
         """
         # The checks and errors of acquire's, on a lease that is never awaited.
-        self.acquire(
+        check: Any = self.acquire  # (one call for the overloads with and without spaces)
+        check(
             key,
             load=load,
             size=size,
@@ -333,7 +386,9 @@ class Cache:
             idle_ttl=idle_ttl,
             pin=pin,
             priority=priority,
+            spaces=spaces,
         )
+        places = None if spaces is None else self._check_places(key, spaces, size)
         if timeout is not None:
             timeout = positive_seconds(timeout, "timeout", inf_is_none=True)
         if cost is not None:
@@ -352,13 +407,25 @@ class Cache:
         if callable(size):
             measure, size = size, None
         need = None
-        if size is not None or measure is None:
+        if places is not None:
+            need = {places[0]: parse_bytes(size)}
+        elif size is not None or measure is None:
             try:
                 need = parse_size(size, actor.budget)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"prefetching {self.name}:{key!r}: {exc}") from None
         await actor.prefetch(
-            self._owner, key, load, need, measure, cost, timeout, idle_ttl, pin, priority
+            self._owner,
+            key,
+            load,
+            need,
+            measure,
+            cost,
+            timeout,
+            idle_ttl,
+            pin,
+            priority,
+            places=places,
         )
 
     async def invalidate(self, key: Hashable) -> bool:
@@ -403,6 +470,36 @@ class Cache:
         await anyio.lowlevel.checkpoint()
         return unpinned
 
+    def _check_places(self, key: Hashable, spaces: object, size: object) -> tuple[str, ...]:
+        """Check ``acquire(spaces=...)``: names of the budget's spaces, and a plain size."""
+        what = f"acquiring {self.name}:{key!r}"
+        if isinstance(spaces, str) or not isinstance(spaces, Sequence):
+            raise TypeError(
+                f"{what}: spaces must be a list of space names, such as "
+                f"['cuda:0', 'cuda:1'], got {spaces!r}"
+            )
+        budget = self._actor.budget
+        places = tuple(spaces)
+        if not places:
+            raise InvalidArgument(f"{what}: spaces must name at least one space")
+        for name in places:
+            if not isinstance(name, str):
+                raise TypeError(f"{what}: spaces must be names (str), got {name!r}")
+            if name not in budget:
+                raise InvalidArgument(
+                    f"{what}: spaces names {name!r}, which is not in the budget "
+                    f"({', '.join(map(repr, budget))})"
+                )
+        if len(set(places)) != len(places):
+            raise InvalidArgument(f"{what}: spaces names a space twice: {list(places)!r}")
+        if size is None or callable(size) or size.__class__ not in _PLAIN:
+            raise InvalidArgument(
+                f"{what}: with spaces=, size must be the value's size in whichever space "
+                f"is chosen, as bytes or a string like '16GiB', got {size!r}"
+            )
+        parse_bytes(size)
+        return places
+
     def _check_size(self, key: Hashable, size: object) -> None:
         """Check a size given to ``acquire`` (raising as ``parse_size``); remember plain ones."""
         if callable(size):
@@ -431,6 +528,7 @@ class Cache:
         cost: float | None = None,
         measure: Callable[[Any], Any] | None = None,
         limits: tuple[int | None, int | None] | None = None,
+        places: tuple[str, ...] | None = None,
     ) -> tuple[Entry, object]:
         """Acquire ``key`` when it is not ready (a miss, a join), or with limits: the
         entry and its holder."""
@@ -442,12 +540,23 @@ class Cache:
         if callable(size):
             measure, size = size, None
         need = None
-        if size is not None or measure is None:
+        if places is not None:
+            need = {places[0]: parse_bytes(size)}
+        elif size is not None or measure is None:
             try:
                 need = parse_size(size, actor.budget)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"acquiring {self.name}:{key!r}: {exc}") from None
         slots, priority = (None, None) if limits is None else limits
         return await actor.request(
-            self._owner, key, load, need, measure, cost, timeout, slots=slots, priority=priority
+            self._owner,
+            key,
+            load,
+            need,
+            measure,
+            cost,
+            timeout,
+            slots=slots,
+            priority=priority,
+            places=places,
         )

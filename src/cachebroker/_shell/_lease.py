@@ -71,6 +71,8 @@ class Lease(Generic[T_co]):
     _measure: Callable[[Any], Any] | None = None
     #: ``(concurrency, priority)`` given to the acquire (``_Tuned``).
     _limits: tuple[int | None, int | None] | None = None
+    #: The spaces the acquire may be placed in (``spaces=``; ``_Tuned``).
+    _places: tuple[str, ...] | None = None
 
     # No __init__: ``Cache.acquire`` fills the fields in (``Lease()`` costs less than a call
     # to __init__, and the hit path builds one lease per call).
@@ -130,6 +132,7 @@ class Lease(Generic[T_co]):
                     self._cost,
                     self._measure,
                     self._limits,
+                    self._places,
                 )
                 entry, task = yield from slow.__await__()
         except BaseException:
@@ -231,7 +234,7 @@ class _Tuned(Lease[T_co]):
     """A ``Lease`` whose acquire was given ``cost``, ``measure``, ``idle_ttl``, ``pin``,
     ``concurrency`` or ``priority``."""
 
-    __slots__ = ("_cost", "_limits", "_measure", "_options")
+    __slots__ = ("_cost", "_limits", "_measure", "_options", "_places")
 
     if TYPE_CHECKING:
         #: ``(idle_ttl, pin)`` for the entry once acquired, if either was given.

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import functools
 import inspect
 import itertools
 import logging
@@ -64,7 +65,7 @@ from .._errors import (
     OutOfSpace,
     ReleaseFailed,
 )
-from .._sizes import parse_size
+from .._sizes import parse_bytes, parse_size
 from .._stats import EvictionReport
 from .._units import format_bytes
 from ..probes import Probe
@@ -95,6 +96,7 @@ class _Slot:
         "load",
         "measure",
         "moving_to",
+        "placed",
         "queued_at",
         "release_started",
         "released",
@@ -104,10 +106,18 @@ class _Slot:
     )
 
     def __init__(
-        self, load: Callable[[], Any], measure: Callable[[Any], Any] | None, now: float
+        self,
+        load: Callable[..., Any],
+        measure: Callable[[Any], Any] | None,
+        now: float,
+        *,
+        placed: bool = False,
     ) -> None:
         self.load = load
         self.is_async = is_async_callable(load)
+        #: The acquire gave places (``spaces=``): the loader takes the chosen
+        #: one's name, and a plain measured size is charged there.
+        self.placed = placed
         self.measure = measure
         self.done = anyio.Event()
         self.released: anyio.Event | None = None
@@ -515,6 +525,8 @@ class Runner:
     def _start_load(self, entry: Entry) -> None:
         cache = self._caches[entry.owner]
         slot: _Slot = entry.shell
+        if slot.placed:  # the loader learns where it was placed
+            slot.load = functools.partial(slot.load, next(iter(entry.charge)))
         self.emit(
             "debug",
             ev.GRANT,
@@ -822,7 +834,10 @@ class Runner:
         if slot.measure is None:
             return None, None, None
         try:
-            return parse_size(slot.measure(value), self.budget), None, None
+            measured = slot.measure(value)
+            if slot.placed and not isinstance(measured, Mapping):  # in the space chosen
+                return {next(iter(entry.charge)): parse_bytes(measured)}, None, None
+            return parse_size(measured, self.budget), None, None
         except BaseException as exc:
             what = f"the size callable for {entry.owner.name}:{entry.key!r}"
             error: BrokerError
@@ -1244,6 +1259,7 @@ class Runner:
         held: tuple[Entry, ...] | None = None,
         slots: int | None = None,
         priority: int | None = None,
+        places: tuple[str, ...] | None = None,
     ) -> tuple[Entry, object]:
         """Acquire ``key`` when it is not ready, or limited (a miss, a join, a slot wait):
         the entry and its holder.
@@ -1255,6 +1271,8 @@ class Runner:
         task = self.current_task()
         core = self.core
         name = owner.name
+        if places is not None:
+            self._check_placement(name, key)
         if self._probes:
             self._refresh_probes()
         if self._dropped:
@@ -1270,6 +1288,7 @@ class Runner:
             held=held,
             slots=slots,
             priority=priority,
+            places=places,
         )
         entry = ticket.entry
         if ticket.outcome is None and task in self._releasing_tasks:
@@ -1299,7 +1318,7 @@ class Runner:
             self.apply()
             return await self._wait(ticket, timeout)
         if entry.shell is None:
-            entry.shell = _Slot(load, measure, self.clock())
+            entry.shell = _Slot(load, measure, self.clock(), placed=places is not None)
             self.log.debug(ev.MISS, cache=name, key=key, bytes=need)
         if entry.state is State.WAITING:
             self.log.debug(ev.WAIT, cache=name, key=key, bytes=entry.need)
@@ -1320,6 +1339,7 @@ class Runner:
         idle_ttl: float | None,
         pin: bool,
         priority: int | None = None,
+        places: tuple[str, ...] | None = None,
     ) -> None:
         """Have ``key`` loaded, holding no lease once it is (``Cache.prefetch``).
 
@@ -1328,6 +1348,8 @@ class Runner:
         """
         task = self.current_task()
         core = self.core
+        if places is not None:
+            self._check_placement(owner.name, key)
         if self._probes:
             self._refresh_probes()
         if self._dropped:
@@ -1343,6 +1365,7 @@ class Runner:
             pin=pin,
             loading=_LOADING.get(),
             priority=priority,
+            places=places,
         )
         if ticket is None:  # loaded already
             self.apply()
@@ -1358,7 +1381,7 @@ class Runner:
                 [],
             )
         if entry.shell is None:
-            entry.shell = _Slot(load, measure, self.clock())
+            entry.shell = _Slot(load, measure, self.clock(), placed=places is not None)
         if entry.state is State.WAITING:
             self.log.debug(ev.WAIT, cache=owner.name, key=key, bytes=entry.need)
             if self._lease_warning is not None and self._sweep_wake is not None:
@@ -1372,6 +1395,17 @@ class Runner:
         self.apply()
         if not entry.leases:
             self.note_idle(entry)
+
+    #: Whether these books choose among an acquire's places (``spaces=``).
+    placement = True
+
+    def _check_placement(self, name: str, key: Hashable) -> None:
+        if not self.placement:
+            raise InvalidArgument(
+                f"acquiring {name}:{key!r} with spaces=: choosing among spaces needs an "
+                "in-process broker; a broker connected to 'cachebroker serve' cannot "
+                "choose yet (give one space in size= instead)"
+            )
 
     async def _wait(
         self, ticket: Ticket, timeout: float | None, *, lease: bool = True
