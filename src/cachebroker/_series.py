@@ -66,6 +66,8 @@ def _entries_by_state(stats: Stats) -> Mapping[str, float]:
         "loading": stats.loading,
         "ready": stats.ready,
         "leased": stats.leased,
+        "moving": stats.moving,
+        "demoted": stats.demoted,
         "releasing": stats.releasing,
         "quarantined": stats.quarantined,
     }
@@ -120,6 +122,19 @@ SERIES: Final[tuple[Series, ...]] = (
         lambda s: s.releases,
         "reason",
     ),
+    Series(
+        "moves",
+        "counter",
+        "Moves between tiers that finished, by direction (down: instead of a release).",
+        lambda s: {"down": s.demotions, "up": s.promotions},
+        "direction",
+    ),
+    Series(
+        "moves_failed",
+        "counter",
+        "Moves between tiers that raised or timed out.",
+        lambda s: s.moves_failed,
+    ),
 )
 
 
@@ -131,6 +146,10 @@ def _space_wait(event: str, fields: Mapping[str, Any]) -> float | None:
     return float(fields["waited"]) if event == ev.GRANT else None
 
 
+def _promote_seconds(event: str, fields: Mapping[str, Any]) -> float | None:
+    return float(fields["seconds"]) if event == ev.MOVE_DONE and fields.get("up") else None
+
+
 def _release_seconds(event: str, fields: Mapping[str, Any]) -> float | None:
     if event in (ev.RELEASE_FREED, ev.RELEASE_FAILED) and not fields.get("late"):
         return float(fields["seconds"])
@@ -140,6 +159,12 @@ def _release_seconds(event: str, fields: Mapping[str, Any]) -> float | None:
 HISTOGRAMS: Final[tuple[HistogramSeries, ...]] = (
     HistogramSeries(
         "load_seconds", "Time loaders took, for successful loads.", "load", _load_seconds
+    ),
+    HistogramSeries(
+        "promote_seconds",
+        "Time owners took to move a value back up a tier for an acquire.",
+        "load",
+        _promote_seconds,
     ),
     HistogramSeries(
         "space_wait_seconds",

@@ -14,12 +14,14 @@ class Stats:
     """A consistent snapshot of the broker's books, taken in one step.
 
     Attributes:
-        entries: Entries holding memory: loading, ready, releasing or quarantined.
+        entries: Entries holding memory: loading, ready, moving, demoted,
+            releasing or quarantined.
         used: Bytes charged per space (every entry holding memory counts).
         budget: Budget per space; 0 everywhere means retention is off.
         hits: Acquires served without a load of their own: by a ready entry, or
             by joining a load already in flight.
-        misses: Acquires that created a new entry (and so a load).
+        misses: Acquires that created a new entry (and so a load), or that
+            moved a demoted entry back up a tier (``promotions``).
             (``Cache.prefetch`` is no acquire: it counts as neither.)
         loads: Loads that finished successfully (prefetches' too).
         load_failures: Loads that raised.
@@ -43,7 +45,7 @@ class Stats:
         ready: Entries loaded and usable (idle or leased).
         leased: Entries with at least one lease.
         releasing: Entries whose release is in flight.
-        quarantined: Entries whose release failed; their bytes stay charged.
+        quarantined: Entries whose release (or move) failed; their bytes stay charged.
         quarantined_keys: ``(cache, key)`` of each quarantined entry, for
             ``Broker.forget`` once an operator has dealt with it.
         broker_used: For a broker connected to a shared one
@@ -51,6 +53,16 @@ class Stats:
             process, as the shared broker reported them (``stats()`` asks it;
             ``stats_nowait()`` gives the last answer). ``used`` and the
             counters above are this process's own. ``None`` in-process.
+        moving: Entries moving between tiers (``Broker(tiers=...)``), or
+            whose move down waits for room in the lower tier.
+        demoted: Entries parked in a lower tier, loaded (``used`` counts them
+            there; ``entries()`` says which).
+        demotions: Moves down a tier that finished (each one a release
+            avoided).
+        promotions: Moves back up that finished (each one a load avoided;
+            its requester counted a miss).
+        moves_failed: Moves that raised or timed out (those entries are
+            quarantined with both charges).
     """
 
     entries: int
@@ -77,6 +89,11 @@ class Stats:
     quarantined: int
     quarantined_keys: tuple[tuple[str, Hashable], ...] = ()
     broker_used: Mapping[str, int] | None = None
+    moving: int = 0
+    demoted: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    moves_failed: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -93,10 +110,15 @@ class EntryInfo:
         cache: The name of the cache that owns it.
         key: Its key, the object given to ``acquire``.
         state: ``"waiting"`` (queued for space), ``"loading"``, ``"ready"``,
-            ``"releasing"`` or ``"quarantined"`` (its release failed; its
-            bytes stay charged until ``Broker.forget``).
-        charge: Bytes charged against the budget, per space (the declared
-            size until measured; nothing while waiting).
+            ``"moving"`` (between tiers: moving down, waiting for room to,
+            or moving back up), ``"demoted"`` (loaded, parked in a lower
+            tier; an acquire moves it back), ``"releasing"`` or
+            ``"quarantined"`` (its release or move failed; its bytes stay
+            charged until ``Broker.forget``).
+        charge: Bytes charged against the budget, per space: where it lives
+            (the declared size until measured; nothing while waiting; while
+            moving, the charge it leaves, the one it goes to being
+            ``moving_to``).
         leases: Leases held on it.
         waiting: Requests waiting on it: acquires and prefetches joined to its
             load (or to its wait for space).
@@ -111,6 +133,13 @@ class EntryInfo:
             evictions (remembered per key like measured sizes).
         load_seconds: How long the latest of those loads took; ``None``
             before the first one finished.
+        home: For an entry moved down a tier (demoted, or moving): the charge
+            it had where it was loaded, where an acquire moves it back;
+            ``None`` for one where it was loaded.
+        moving_to: While moving: the charge it will have once moved (both are
+            on the books until then); ``None`` otherwise.
+        promote_seconds: How long its latest move back up took (its reload
+            cost from the lower tier); ``None`` before one.
     """
 
     cache: str
@@ -124,6 +153,9 @@ class EntryInfo:
     idle_seconds: float | None
     loads: int
     load_seconds: float | None
+    home: Mapping[str, int] | None = None
+    moving_to: Mapping[str, int] | None = None
+    promote_seconds: float | None = None
 
 
 @attrs.frozen(kw_only=True)

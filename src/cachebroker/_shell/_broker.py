@@ -457,6 +457,9 @@ class Broker:
                 idle_seconds=idle,
                 loads=loads,
                 load_seconds=seconds,
+                home=None if entry.home is None else dict(entry.home),
+                moving_to=None if entry.target is None else dict(entry.target),
+                promote_seconds=entry.promote_cost,
             )
             infos.append((entry.cache, _key_text(entry.key), -_AGES.index(state), info))
         infos.sort(key=lambda item: item[:3])
@@ -489,6 +492,8 @@ class Broker:
         return Stats(
             entries=counts[State.LOADING]
             + counts[State.READY]
+            + counts[State.MOVING]
+            + counts[State.DEMOTED]
             + counts[State.RELEASING]
             + counts[State.QUARANTINED],
             used={name: space.used for name, space in core.spaces.items()},
@@ -516,6 +521,11 @@ class Broker:
             quarantined=counts[State.QUARANTINED],
             quarantined_keys=tuple((entry.owner.name, entry.key) for entry in core.quarantined),
             broker_used=self._runner.shared_used,
+            moving=counts[State.MOVING],
+            demoted=counts[State.DEMOTED],
+            demotions=core.demotions,
+            promotions=core.promotions,
+            moves_failed=core.moves_failed,
         )
 
 
