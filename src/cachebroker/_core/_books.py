@@ -539,6 +539,8 @@ class Core:
             # first requester; later ones join (as do requesters of a move).
             promote = entry.state is State.DEMOTED and entry not in self.queue
             need = entry.home if promote and entry.home is not None else entry.need
+            if promote and entry.places is not None and len(need) == 1:
+                _, need = self._placeable(owner, key, entry.places, need, task, held)
             if promote:
                 self._check_fit(owner, key, need)
             waiting = promote or entry.state is State.WAITING or entry in self.queue
@@ -549,7 +551,7 @@ class Core:
             )
             self._check_deadlock(owner, key, need, mine)
             if promote:
-                _moves.queue_promotion(self, entry)
+                _moves.queue_promotion(self, entry, need)
                 if not self._prefetching:
                     self.misses += 1  # it waits for its value to be moved back
             self._count_request(entry)
@@ -1093,7 +1095,7 @@ class Core:
             else:
                 self._rest(entry, now)
         elif entry.joiners:
-            _moves.queue_promotion(self, entry)
+            _moves.queue_promotion(self, entry, entry.home)
         else:
             self._rest(entry, now)
         schedule(self)

@@ -243,11 +243,12 @@ def cancel_demotion(books: Core, entry: Entry) -> None:
     entry.state = State.READY
 
 
-def queue_promotion(books: Core, entry: Entry) -> None:
-    """A request for a demoted entry: queue its move back up, for its home's room."""
+def queue_promotion(books: Core, entry: Entry, need: dict[str, int] | None) -> None:
+    """A request for a demoted entry: queue its move back up, for ``need`` (its home's
+    size, in one of its places)."""
     books._leave_idle(entry)
-    assert entry.home is not None
-    entry.need = dict(entry.home)
+    assert need is not None
+    entry.need = dict(need)
     books._enqueue(entry)
 
 

@@ -1,0 +1,368 @@
+"""Tiers: an idle value moved down a tier instead of released, and back up for an acquire.
+
+The books driven directly (which entry is demoted or dropped, what is
+charged where while a move runs, promotions queued like loads), then the
+shell on every backend with a plugin that records its moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import anyio
+import pytest
+
+from cachebroker import Broker, EntryInfo, InvalidArgument, OutOfSpace
+from cachebroker._core import Reason, State
+from cachebroker._policies import make_policy
+from tests.harness import Harness
+
+GIB = 1 << 30
+
+
+def tiered(**options: Any) -> Harness:
+    return Harness({"gpu": 100, "ram": 100}, tiers={"gpu": "ram"}, moves=True, **options)
+
+
+def load(h: Harness, key: str, size: int = 60, space: str = "gpu") -> None:
+    """Request ``key`` (a miss), let the moves it sets off end, finish its load and
+    end its lease: an idle entry."""
+    ticket = h.acquire(key, {space: size})
+    while ticket.entry.state is State.WAITING and h.moving:
+        h.move(h.moving[0][0])
+    if ticket.outcome is None:
+        h.finish(ticket.entry)
+    h.end(ticket)
+
+
+# -- the books -----------------------------------------------------------------
+
+
+def test_a_victim_is_moved_down_a_tier_charged_in_both_spaces_until_it_lands() -> None:
+    h = tiered()
+    load(h, "a")
+    b = h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    assert a.state is State.MOVING and h.moving == [(a, "ram")]
+    gpu, ram = h.core.spaces["gpu"], h.core.spaces["ram"]
+    assert (gpu.used, gpu.releasing, ram.used) == (60, 60, 60)  # both charged
+    assert b.entry.state is State.WAITING  # the bytes come back when the move ends
+    h.move(a)
+    assert a.state is State.DEMOTED and a.charge == {"ram": 60} and a.home == {"gpu": 60}
+    assert a.value == "v-a@ram" and a.idle
+    assert b.entry.state is State.LOADING and (gpu.used, ram.used) == (60, 60)
+    assert h.released == [] and h.core.demotions == 1
+
+
+def test_an_acquire_moves_a_demoted_value_back_up_and_learns_the_promotion_cost() -> None:
+    h = tiered()
+    load(h, "a")
+    load(h, "b")  # demotes a
+    misses = h.core.misses
+    ticket = h.acquire("a", {"gpu": 60})  # b goes down; a waits for its room
+    a, b = ticket.entry, h.owner.entries["b"]
+    assert a.state is State.DEMOTED and a in h.core.queue and ticket.outcome is None
+    assert b.state is State.RELEASING  # ram holds a still: no room for b there
+    h.ack(b)
+    assert a.state is State.MOVING and a.promoting and h.moving == [(a, "gpu")]
+    h.move(a, seconds=0.5)
+    assert ticket.outcome is True and a.state is State.READY and a.charge == {"gpu": 60}
+    assert a.value == "v-a@ram@gpu" and a.home is None and a.promote_cost == 0.5
+    assert h.core.misses == misses + 1 and h.core.loads == 2 and h.core.promotions == 1
+    h.end(ticket)
+    assert h.core.spaces["ram"].used == 0
+
+
+def test_a_releaser_that_cannot_move_has_its_values_released() -> None:
+    h = Harness({"gpu": 100, "ram": 100}, tiers={"gpu": "ram"}, moves=False)
+    load(h, "a")
+    h.acquire("b", {"gpu": 60})
+    assert h.released == [("a", Reason.CAPACITY)] and h.moving == []
+
+
+def test_a_value_whose_promotion_costs_a_cold_load_is_released_not_demoted() -> None:
+    h = tiered()
+    load(h, "a")
+    a = h.owner.entries["a"]
+    a.promote_cost = a.reload  # (the harness's loads take 1 s)
+    h.acquire("b", {"gpu": 60})
+    assert h.released == [("a", Reason.CAPACITY)] and a.state is State.RELEASING
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "gdsf", "cost"])
+def test_the_lower_tier_makes_room_by_its_policy_and_the_demoted_can_be_dropped(
+    policy: str,
+) -> None:
+    h = tiered(policy=make_policy(policy))
+    load(h, "a")
+    load(h, "b")  # a goes down to ram (60 of 100)
+    h.acquire("c", {"gpu": 60})  # b must go down; ram can take it only without a
+    b = h.owner.entries["b"]
+    a = h.owner.entries.get("a")
+    if b.state is State.MOVING:  # the policy kept b over a: a is dropped from ram
+        assert a is not None and a.state is State.RELEASING
+        assert ("a", Reason.CAPACITY) in h.released
+        h.ack(a)
+        h.move(b)
+        assert b.state is State.DEMOTED
+    else:  # the policy kept a: b is released
+        assert b.state is State.RELEASING and a is not None and a.state is State.DEMOTED
+    h.core.check()
+    assert h.core.spaces["ram"].used <= 100 and h.core.spaces["gpu"].used <= 100
+
+
+def test_under_lru_the_value_just_evicted_displaces_the_least_recently_demoted() -> None:
+    h = tiered()
+    load(h, "a")
+    load(h, "b")  # a goes down to ram
+    h.acquire("c", {"gpu": 60})
+    assert h.released == [("a", Reason.CAPACITY)]
+    assert h.owner.entries["b"].state is State.MOVING
+
+
+def test_a_demotion_that_waits_for_room_is_taken_back_by_an_acquire() -> None:
+    h = tiered()
+    load(h, "a")
+    load(h, "b")  # a goes down to ram
+    h.acquire("c", {"gpu": 60})  # b waits for a's release from ram
+    b, a = h.owner.entries["b"], h.owner.entries["a"]
+    assert b.state is State.MOVING and b in h.core._demoting and h.moving == []
+    again = h.acquire("b", {"gpu": 60})
+    assert again.outcome is True and b.state is State.READY and b.charge == {"gpu": 60}
+    assert h.core.spaces["gpu"].releasing == 0
+    h.core.check()
+    h.ack(a)  # the waiter for c gets its room some other way, once there is any
+    h.end(again)
+    c = h.owner.entries["c"]
+    assert c.state in (State.WAITING, State.LOADING)
+
+
+def test_a_demotion_gives_up_when_the_room_it_waits_for_is_not_coming() -> None:
+    h = tiered()
+    load(h, "a")
+    load(h, "b")  # a goes down to ram
+    a = h.owner.entries["a"]
+    h.acquire("c", {"gpu": 60})  # b waits for a's release from ram
+    b = h.owner.entries["b"]
+    h.refuse(a)  # the release fails: a's bytes stay in ram for good
+    assert a.state is State.QUARANTINED and b.state is State.RELEASING
+    assert ("b", Reason.CAPACITY) in h.released
+    h.ack(b)
+    assert h.owner.entries["c"].state is State.LOADING
+    h.core.check()
+
+
+def test_a_failed_move_quarantines_the_entry_with_both_charges() -> None:
+    h = tiered()
+    load(h, "a")
+    ticket = h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    h.move(a, error=RuntimeError("device lost"))
+    assert a.state is State.QUARANTINED and a.charge == {"gpu": 60, "ram": 60}
+    assert h.core.spaces["gpu"].quarantined == 60 and h.core.spaces["ram"].quarantined == 60
+    assert h.core.moves_failed == 1
+    # Only forget() could make room for b now: it is refused, naming a.
+    assert isinstance(ticket.outcome, OutOfSpace) and "p:'a'" in str(ticket.outcome)
+    h.core.forget(a)
+    assert h.used("gpu") == 0 and h.used("ram") == 0
+    assert h.acquire("b", {"gpu": 60}).entry.state is State.LOADING
+    h.core.check()
+
+
+def test_requests_joined_to_a_demotion_get_the_value_after_its_promotion() -> None:
+    h = tiered()
+    load(h, "a")
+    b = h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    joined = h.acquire("a", {"gpu": 60}, task="u")  # during the move down: it waits
+    assert joined.outcome is None and joined.entry is a and a.state is State.MOVING
+    h.move(a)  # demoted, with a request waiting: queued to come back up at once
+    assert a.state is State.DEMOTED and a in h.core.queue and joined.outcome is None
+    assert b.entry.state is State.LOADING  # (b was first in line for the gpu)
+    h.finish(b.entry)
+    h.end(b)  # b goes (ram is a's until it moves up), and a comes back up
+    h.ack(b.entry)
+    assert a.state is State.MOVING and a.promoting
+    h.move(a)
+    assert joined.outcome is True and a.state is State.READY and a.value == "v-a@ram@gpu"
+    h.core.check()
+
+
+def test_a_queued_promotion_left_by_its_last_requester_stays_demoted_and_idle() -> None:
+    h = tiered()
+    load(h, "a")
+    b = h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    h.move(a)
+    h.finish(b.entry)  # b is leased: a's promotion cannot get gpu room
+    ticket = h.acquire("a", {"gpu": 60}, task="u")
+    assert a in h.core.queue and not a.idle
+    h.leave(ticket)
+    assert a.state is State.DEMOTED and a not in h.core.queue and a.idle
+    assert h.core.spaces["ram"].idle_bytes == 60
+    h.core.check()
+
+
+def test_closing_the_owner_releases_demoted_and_moving_entries() -> None:
+    h = tiered()
+    load(h, "a")
+    load(h, "b")  # a demoted; b is loaded, idle
+    h.acquire("c", {"gpu": 60})  # b waits for room in ram
+    h.core.close_owner(h.owner, RuntimeError("closed"))
+    h.drain()
+    released = {key for key, _ in h.released}
+    assert {"a", "b"} <= released
+    for entry in list(h.releasing):
+        h.ack(entry)
+    h.core.check()
+    assert h.core.spaces["gpu"].used == 0 and h.core.spaces["ram"].used == 0
+
+
+def test_idle_ttl_expires_a_demoted_entry() -> None:
+    h = tiered(idle_ttl=10.0)
+    load(h, "a")
+    h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    h.now = 5.0
+    h.move(a)
+    assert h.core.next_expiry() == 15.0
+    assert h.core.sweep(15.0) == [a]
+    h.drain()
+    assert ("a", Reason.IDLE) in h.released
+
+
+def test_a_measured_move_charges_the_measured_size_where_it_lands() -> None:
+    h = tiered()
+    load(h, "a")
+    h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    h.move(a, measured={"ram": 30})  # e.g. a compressed copy
+    assert a.charge == {"ram": 30} and h.core.spaces["ram"].used == 30
+    h.core.check()
+
+
+def test_a_chain_of_tiers_moves_a_value_down_twice() -> None:
+    h = Harness(
+        {"gpu": 100, "ram": 100, "disk": 100},
+        tiers={"gpu": "ram", "ram": "disk"},
+        moves=True,
+        instant=True,
+    )
+    for key in "abc":
+        load(h, key)
+    entries = h.owner.entries
+    assert entries["a"].charge == {"disk": 60} and entries["a"].home == {"gpu": 60}
+    assert entries["b"].charge == {"ram": 60} and entries["c"].charge == {"gpu": 60}
+    ticket = h.acquire("a", {"gpu": 60})
+    assert ticket.outcome is True and entries["a"].charge == {"gpu": 60}
+    h.core.check()
+
+
+# -- the shell -----------------------------------------------------------------
+
+
+class Plugin:
+    """Values are strings that say where they are; moves and releases are recorded."""
+
+    def __init__(self) -> None:
+        self.moves: list[tuple[Hashable, str]] = []
+        self.released: list[tuple[Hashable, Any]] = []
+        self.fail_moves = False
+
+    async def release(self, key: Hashable, value: Any) -> None:
+        self.released.append((key, value))
+
+    async def move(self, key: Hashable, value: Any, to: str) -> Any:
+        await anyio.lowlevel.checkpoint()
+        if self.fail_moves:
+            raise RuntimeError(f"cannot move {key!r}")
+        self.moves.append((key, to))
+        return f"{key}@{to}"
+
+
+def loader(key: str) -> Any:
+    async def load() -> str:
+        await anyio.lowlevel.checkpoint()
+        return f"{key}@gpu"
+
+    return load
+
+
+async def use(cache: Any, key: str) -> str:
+    async with cache.acquire(key, load=loader(key), size={"gpu": 6 * GIB}) as lease:
+        return str(lease.value)
+
+
+def by_key(infos: list[EntryInfo]) -> dict[Hashable, EntryInfo]:
+    return {info.key: info for info in infos}
+
+
+@pytest.mark.anyio
+async def test_a_model_parked_in_ram_comes_back_without_a_load() -> None:
+    plugin = Plugin()
+    async with (
+        Broker({"gpu": "10GiB", "ram": "20GiB"}, tiers={"gpu": "ram"}) as broker,
+        broker.cache("m", plugin) as cache,
+    ):
+        assert await use(cache, "a") == "a@gpu"
+        assert await use(cache, "b") == "b@gpu"
+        infos = by_key(await broker.entries())
+        assert infos["a"].state == "demoted" and infos["a"].charge == {"ram": 6 * GIB}
+        assert infos["a"].home == {"gpu": 6 * GIB}
+        assert await use(cache, "a") == "a@gpu"  # moved back, not loaded
+        stats = await broker.stats()
+        assert stats.loads == 2 and stats.promotions == 1 and stats.demotions == 2
+        assert stats.demoted == 1 and stats.used == {"gpu": 6 * GIB, "ram": 6 * GIB}
+        assert plugin.moves == [("a", "ram"), ("b", "ram"), ("a", "gpu")]
+        assert plugin.released == []
+        info = by_key(await broker.entries())["a"]
+        assert info.promote_seconds is not None and info.home is None
+
+
+@pytest.mark.anyio
+async def test_a_failed_move_is_quarantined_with_both_charges_and_forget_frees_them() -> None:
+    plugin = Plugin()
+    async with (
+        Broker({"gpu": "10GiB", "ram": "20GiB"}, tiers={"gpu": "ram"}) as broker,
+        broker.cache("m", plugin) as cache,
+    ):
+        await use(cache, "a")
+        plugin.fail_moves = True
+        # Only forget() could return the gpu bytes of the quarantined value now.
+        with pytest.raises(OutOfSpace, match=r"m:'a'"):
+            await use(cache, "b")
+        stats = await broker.stats()
+        assert stats.quarantined_keys == (("m", "a"),) and stats.moves_failed == 1
+        assert stats.used == {"gpu": 6 * GIB, "ram": 6 * GIB}
+        assert await broker.forget("m", "a") == 1
+        assert (await broker.stats()).used == {"gpu": 0, "ram": 0}
+        assert await use(cache, "b") == "b@gpu"
+
+
+@pytest.mark.anyio
+async def test_a_releaser_with_a_plain_move_is_refused_when_the_cache_opens() -> None:
+    class Plain:
+        async def release(self, key: Hashable, value: Any) -> None:
+            pass
+
+        def move(self, key: Hashable, value: Any, to: str) -> Any:
+            return value
+
+    async with Broker({"gpu": 100, "ram": 100}, tiers={"gpu": "ram"}) as broker:
+        with pytest.raises(TypeError, match="async def move"):
+            broker.cache("m", Plain())
+
+
+@pytest.mark.parametrize(
+    ("tiers", "message"),
+    [
+        ({"gpu": "disk"}, "not in the budget"),
+        ({"gpu": "gpu"}, "below itself"),
+        ({"gpu": "ram", "ram": "gpu"}, "circle"),
+        (["gpu", "ram"], "map a space"),
+    ],
+)
+def test_bad_tiers_are_refused_with_what_was_wrong(tiers: Any, message: str) -> None:
+    with pytest.raises((InvalidArgument, TypeError), match=message):
+        Broker({"gpu": 100, "ram": 100}, tiers=tiers)
