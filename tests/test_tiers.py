@@ -366,3 +366,13 @@ async def test_a_releaser_with_a_plain_move_is_refused_when_the_cache_opens() ->
 def test_bad_tiers_are_refused_with_what_was_wrong(tiers: Any, message: str) -> None:
     with pytest.raises((InvalidArgument, TypeError), match=message):
         Broker({"gpu": 100, "ram": 100}, tiers=tiers)
+
+
+def test_tiers_come_from_the_environment() -> None:
+    env = {"CACHEBROKER_BUDGET": "gpu=1GiB,ram=2GiB", "CACHEBROKER_TIERS": " gpu = ram "}
+    assert Broker.from_env(env)._core.tiers == {"gpu": "ram"}
+    for raw, message in [("gpu", "space=lower space"), ("gpu=ram,gpu=ram", "two lower")]:
+        with pytest.raises(InvalidArgument, match=f"CACHEBROKER_TIERS.*{message}"):
+            Broker.from_env({**env, "CACHEBROKER_TIERS": raw})
+    with pytest.raises(InvalidArgument, match="not in the budget"):
+        Broker.from_env({**env, "CACHEBROKER_TIERS": "gpu=disk"})

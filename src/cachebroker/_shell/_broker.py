@@ -243,7 +243,8 @@ class Broker:
         daemon's: only ``logger`` may be given then. Otherwise
         ``CACHEBROKER_BUDGET`` is required: ``"24GiB"`` or
         ``"ram=16GiB,cuda:0=24GiB"``. ``CACHEBROKER_IDLE_TTL`` is seconds
-        (0 = off) and ``CACHEBROKER_POLICY`` a policy name. Keyword arguments
+        (0 = off), ``CACHEBROKER_POLICY`` a policy name and ``CACHEBROKER_TIERS``
+        each space's lower tier (``"cuda:0=ram"``). Keyword arguments
         override the environment. A malformed value raises ``InvalidArgument``
         naming the variable and the value.
         """

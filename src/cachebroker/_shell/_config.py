@@ -279,6 +279,9 @@ def env_arguments(
     raw = env.get("CACHEBROKER_POLICY")
     if raw is not None and raw.strip():
         kwargs["policy"] = _env_value("CACHEBROKER_POLICY", raw, _parse_env_policy)
+    raw = env.get("CACHEBROKER_TIERS")
+    if raw is not None and raw.strip():
+        kwargs["tiers"] = _env_value("CACHEBROKER_TIERS", raw, _parse_env_tiers)
     kwargs.update(overrides)
     return kwargs
 
@@ -288,6 +291,22 @@ def _env_value(name: str, raw: str, parse: Callable[[str], T]) -> T:
         return parse(raw)
     except (ValueError, TypeError) as exc:
         raise InvalidArgument(f"{name}={raw!r} is invalid: {exc}") from exc
+
+
+def _parse_env_tiers(raw: str) -> dict[str, str]:
+    """``"cuda:0=ram,cuda:1=ram"``: each space and the space below it."""
+    tiers: dict[str, str] = {}
+    for part in raw.split(","):
+        upper, sep, lower = (text.strip() for text in part.partition("="))
+        if not sep or not upper or not lower:
+            raise ValueError(
+                f"expected comma-separated 'space=lower space' pairs such as "
+                f"'cuda:0=ram', got {part.strip()!r}"
+            )
+        if upper in tiers:
+            raise ValueError(f"space {upper!r} is given two lower tiers")
+        tiers[upper] = lower
+    return tiers
 
 
 def _parse_env_budget(raw: str) -> int | dict[str, int]:
