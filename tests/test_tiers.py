@@ -376,3 +376,20 @@ def test_tiers_come_from_the_environment() -> None:
             Broker.from_env({**env, "CACHEBROKER_TIERS": raw})
     with pytest.raises(InvalidArgument, match="not in the budget"):
         Broker.from_env({**env, "CACHEBROKER_TIERS": "gpu=disk"})
+
+
+@pytest.mark.anyio
+async def test_a_plain_measured_size_is_charged_where_the_move_went() -> None:
+    async with (
+        Broker({"default": "10GiB", "ram": "20GiB"}, tiers={"default": "ram"}) as broker,
+        broker.cache("m", Plugin()) as cache,
+    ):
+        for key in ("a", "b"):
+            async with cache.acquire(key, load=loader(key), size="6GiB", measure=lambda v: "5GiB"):
+                pass
+        infos = by_key(await broker.entries())
+        assert infos["a"].state == "demoted" and infos["a"].charge == {"ram": 5 * GIB}
+        assert infos["b"].charge == {"default": 5 * GIB}
+        async with cache.acquire("a", load=loader("a"), size="6GiB", measure=lambda v: "5GiB"):
+            pass
+        assert by_key(await broker.entries())["a"].charge == {"default": 5 * GIB}

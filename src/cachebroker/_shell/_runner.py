@@ -569,7 +569,8 @@ class Runner:
                     raise
                 return
             seconds = max(0.0, self.clock() - started)
-            measured, error, fatal = self._measure(entry, slot, value)
+            where = next(iter(entry.charge)) if slot.placed else None
+            measured, error, fatal = self._measure(entry, slot, value, where)
             core.load_done(entry, value, measured, seconds, self.clock(), error=error)
             if fatal is not None:
                 # No time is left to release the value through its owner: it is
@@ -828,15 +829,19 @@ class Runner:
         start_soon(func, *args, name=name)
 
     def _measure(
-        self, entry: Entry, slot: _Slot, value: Any
+        self, entry: Entry, slot: _Slot, value: Any, where: str | None = None
     ) -> tuple[dict[str, int] | None, BaseException | None, BaseException | None]:
-        """The measured size, else the error for the requesters, and what must propagate."""
+        """The measured size, else the error for the requesters, and what must propagate.
+
+        ``where``: the space a plain amount is charged in (the space a placed
+        load was given, or the one a move went to), instead of the default one.
+        """
         if slot.measure is None:
             return None, None, None
         try:
             measured = slot.measure(value)
-            if slot.placed and not isinstance(measured, Mapping):  # in the space chosen
-                return {next(iter(entry.charge)): parse_bytes(measured)}, None, None
+            if where is not None and not isinstance(measured, Mapping):
+                return {where: parse_bytes(measured)}, None, None
             return parse_size(measured, self.budget), None, None
         except BaseException as exc:
             what = f"the size callable for {entry.owner.name}:{entry.key!r}"
@@ -970,7 +975,7 @@ class Runner:
         try:
             value = await cache.move(entry.key, entry.value, to)
             seconds = max(0.0, self.clock() - started)
-            measured, error, fatal = self._measure(entry, slot, value)
+            measured, error, fatal = self._measure(entry, slot, value, to)
             if error is not None:
                 raise error
         except BaseException as exc:
