@@ -393,3 +393,19 @@ async def test_a_plain_measured_size_is_charged_where_the_move_went() -> None:
         async with cache.acquire("a", load=loader("a"), size="6GiB", measure=lambda v: "5GiB"):
             pass
         assert by_key(await broker.entries())["a"].charge == {"default": 5 * GIB}
+
+
+def test_spaces_merged_as_one_memory_mid_move_keep_the_books_exact() -> None:
+    h = Harness({"gpu": 100, "gpu-b": 100, "ram": 100}, tiers={"gpu": "ram"}, moves=True)
+    load(h, "a")
+    load(h, "x", 30, "gpu-b")
+    h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    assert a.state is State.MOVING
+    h.core.merge_spaces("gpu", "ram")  # the tier turns out to be the same memory
+    h.core.check()
+    h.move(a)
+    h.core.check()
+    assert h.core.tiers == {}
+    h.core.merge_spaces("gpu", "gpu-b")
+    h.core.check()

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from ._model import State
+from ._model import Entry, State
+from ._moves import freed, reserved
 from ._scheduler import schedule
 
 if TYPE_CHECKING:
@@ -74,21 +75,42 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
         return
     kept, gone = books.spaces[keep], books.spaces[other]
     entries = sorted(books.entries(), key=lambda e: e.last_request)
-    touched = [e for e in entries if other in e.charge or other in e.need]
+    touched = [
+        e
+        for e in entries
+        if other in e.charge
+        or other in e.need
+        or (e.target is not None and other in e.target)
+        or (e.home is not None and other in e.home)
+        or (e.places is not None and other in e.places)
+    ]
     idle = sorted((e for e in touched if e.idle_seq), key=lambda e: e.idle_seq)
     for entry in idle:
         if books._busy is not None:
             books._busy(entry)
     admitted = [
-        e for e in touched if e.state in (State.READY, State.RELEASING) and e not in books.orphans
+        e
+        for e in touched
+        if e.state in (State.READY, State.RELEASING, State.MOVING, State.DEMOTED)
+        and e not in books.orphans
     ]
     if books._remove is not None:
         for entry in admitted:
             books._remove(entry)
+    # A move's books are differences between its charge and its target: take
+    # them off before the names change, and put them back after.
+    moving = [e for e in touched if e.state is State.MOVING]
+    _move_books(books, moving, -1)
     for entry in touched:
         same = entry.charge is entry.need
         entry.need = _move(entry.need, other, keep)
         books._set_charge(entry, entry.need if same else _move(entry.charge, other, keep))
+        if entry.target is not None:
+            entry.target = _move(entry.target, other, keep)
+        if entry.home is not None:
+            entry.home = _move(entry.home, other, keep)
+        if entry.places is not None:
+            entry.places = tuple(dict.fromkeys(keep if p == other else p for p in entry.places))
     kept.budget = max(kept.budget, gone.budget)
     kept.capacity = max(kept.capacity, gone.capacity)
     kept.limit = max(kept.limit, gone.limit)
@@ -101,17 +123,34 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
             canon[name] = keep
     canon[other] = keep
     books.spaces[other] = kept
+    # A tier between the two is one memory now: no move; others follow the merge.
+    books.tiers = {
+        upper: lower
+        for upper, lower in ((canon.get(u, u), canon.get(v, v)) for u, v in books.tiers.items())
+        if upper != lower
+    }
     books.canon_names.remove(other)
     if other in books._overdrawn:
         books._overdrawn.discard(other)
     if kept.used > kept.capacity:
         books._overdrawn.add(keep)
+    _move_books(books, moving, +1)
     if books._admit is not None:
         for entry in admitted:
             books._admit(entry)
     for entry in idle:
         books.policy.idle(entry)
     schedule(books)
+
+
+def _move_books(books: Core, moving: list[Entry], sign: int) -> None:
+    """Add (``sign`` 1) or take off (-1) what moving entries count in ``releasing`` and ``used``."""
+    for entry in moving:
+        for name, amount in freed(entry).items():
+            books.spaces[name].releasing += sign * amount
+        if entry not in books._demoting:
+            for name, amount in reserved(entry).items():
+                books.spaces[name].used += sign * amount
 
 
 def _move(charge: dict[str, int], other: str, keep: str) -> dict[str, int]:
