@@ -409,3 +409,42 @@ def test_spaces_merged_as_one_memory_mid_move_keep_the_books_exact() -> None:
     assert h.core.tiers == {}
     h.core.merge_spaces("gpu", "gpu-b")
     h.core.check()
+
+
+def test_an_entry_evicted_for_a_space_a_demotion_keeps_is_released_not_demoted() -> None:
+    """A demotion frees only the tiered part of a charge: evicted for room in
+    its other space, the entry must be released, or the waiter waits for ever."""
+    h = Harness({"gpu": 10, "cpu": 4, "ram": 5}, tiers={"gpu": "ram"}, moves=True)
+    k1 = h.acquire("k1", {"gpu": 4, "cpu": 2})
+    k4 = h.acquire("k4", {"cpu": 3}, task="u")
+    h.finish(k1.entry)
+    h.end(k1)
+    assert ("k1", Reason.CAPACITY) in h.released and h.moving == []
+    h.ack(k1.entry)
+    assert k4.entry.state is State.LOADING
+    h.core.check()
+
+
+def test_a_request_joining_a_move_down_counts_one_miss_and_the_promotion_is_remembered() -> None:
+    h = tiered()
+    load(h, "a")
+    b = h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    misses = h.core.misses
+    first = h.acquire("a", {"gpu": 60}, task="u")
+    second = h.acquire("a", {"gpu": 60}, task="v")
+    assert h.core.misses == misses + 1 and first.outcome is None
+    h.move(a)  # down, then queued to come back up for its two requesters
+    h.finish(b.entry)
+    h.end(b)
+    h.ack(b.entry)
+    h.move(a, seconds=2.0)
+    assert first.outcome is True and second.outcome is True
+    h.end(first)
+    h.end(second)
+    h.core.invalidate(h.owner, "a")
+    h.drain()
+    h.ack(a)
+    again = h.acquire("a", {"gpu": 60})  # a new entry of the key: a cold load
+    assert again.entry is not a and again.entry.promote_cost == 2.0
+    h.core.check()

@@ -129,6 +129,7 @@ class Core:
         "load_failures",
         "load_history",
         "load_seconds",
+        "promote_history",
         "loads",
         "misses",
         "moves_failed",
@@ -226,6 +227,9 @@ class Core:
         #: For each (cache, key) loaded: how many loads finished, and the last
         #: one's seconds; remembered across evictions, like ``sizes``.
         self.load_history: dict[tuple[str, Hashable], tuple[int, float]] = {}
+        #: For each (cache, key) moved back up a tier: the seconds the latest
+        #: promotion took, remembered across evictions like ``load_history``.
+        self.promote_history: dict[tuple[str, Hashable], float] = {}
         #: Set during a ``prefetch`` step: the request it makes is not counted.
         self._prefetching = False
         #: Loads of unknown size waiting for their turn, and the one whose turn it is.
@@ -550,10 +554,15 @@ class Core:
                 else []
             )
             self._check_deadlock(owner, key, need, mine)
+            # A request that brings a value back up waits for it as for a load:
+            # a miss (the first to join a move down counts it; later ones join).
+            if (
+                promote
+                or (entry.state is State.MOVING and not entry.promoting and not entry.joiners)
+            ) and not self._prefetching:
+                self.misses += 1
             if promote:
                 _moves.queue_promotion(self, entry, need)
-                if not self._prefetching:
-                    self.misses += 1  # it waits for its value to be moved back
             self._count_request(entry)
         ticket = Ticket(entry, task, loading, held)
         entry.joiners.append(ticket)
@@ -694,6 +703,8 @@ class Core:
         entry = Entry(owner, key, need)
         entry.priority = priority
         entry.places = places
+        if self.promote_history:
+            entry.promote_cost = self.promote_history.get((owner.name, key))
         if slots is not None:
             entry.slots = slots
         current = owner.entries.get(key)
@@ -1077,6 +1088,11 @@ class Core:
             entry.promoting = False
             entry.home = None
             entry.promote_cost = seconds
+            history = self.promote_history
+            history.pop((entry.cache, entry.key), None)
+            if len(history) >= REMEMBERED_SIZES:
+                del history[next(iter(history))]  # the key promoted longest ago
+            history[entry.cache, entry.key] = seconds
             entry.cost = entry.reload
             entry.state = State.READY
             self.promotions += 1

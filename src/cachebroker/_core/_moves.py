@@ -28,7 +28,7 @@ knows which form of the value still holds memory.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._effects import StartMove, StartRelease
@@ -105,16 +105,17 @@ def parked_cost(entry: Entry) -> float:
     return max(entry.reload - (entry.promote_cost or 0.0), 0.0)
 
 
-def evict_one(books: Core, victim: Entry, reason: Reason) -> None:
-    """Free ``victim``'s bytes: demote it a tier when worth it, else release it."""
-    plan = _plan(books, victim) if books.tiers and reason is Reason.CAPACITY else None
+def evict_one(books: Core, victim: Entry, reason: Reason, short: Iterable[str]) -> None:
+    """Free ``victim``'s bytes in the ``short`` spaces: demote it a tier when that frees
+    them and is worth it, else release it."""
+    plan = _plan(books, victim, short) if books.tiers and reason is Reason.CAPACITY else None
     if plan is None:
         books._start_release(victim, reason)
         return
-    target, displaced = plan
+    target, lower, displaced = plan
     for other in displaced:
         if other.idle_seq:  # (not taken by an earlier step of this cascade)
-            evict_one(books, other, reason)
+            evict_one(books, other, reason, (lower,))
     books._leave_idle(victim)
     victim.state = State.MOVING
     victim.target = target
@@ -124,8 +125,15 @@ def evict_one(books: Core, victim: Entry, reason: Reason) -> None:
     books._demoting[victim] = None
 
 
-def _plan(books: Core, entry: Entry) -> tuple[dict[str, int], list[Entry]] | None:
-    """Where ``entry`` would go a tier down, and what must go there first; ``None``: release it."""
+def _plan(
+    books: Core, entry: Entry, short: Iterable[str]
+) -> tuple[dict[str, int], str, list[Entry]] | None:
+    """Where ``entry`` would go a tier down (its charge there, and the lower tier), and
+    what must go there first; ``None``: release it.
+
+    A demotion frees only the tiered part of the charge: an entry evicted for
+    room in any other of its spaces (``short``) is released.
+    """
     owner = entry.owner
     if not owner.moves or owner.closing or entry.doomed is not None or books.closed:
         return None
@@ -138,6 +146,8 @@ def _plan(books: Core, entry: Entry) -> tuple[dict[str, int], list[Entry]] | Non
             source, lower = name, books.canon.get(below, below)
     if source is None or lower is None or lower == source:
         return None
+    if any(name != source and name in entry.charge for name in short):
+        return None  # its bytes there are wanted: only a release frees them
     if entry.promote_cost is not None and entry.promote_cost >= entry.reload:
         return None  # a promotion would cost what a cold load costs: nothing to save
     amount = entry.charge[source]
@@ -149,13 +159,13 @@ def _plan(books: Core, entry: Entry) -> tuple[dict[str, int], list[Entry]] | Non
     if any(lower in waiter.need for waiter in books.queue):
         return None  # the lower tier's own waiters come first
     pending = sum(reserved(e).get(lower, 0) for e in books._demoting)
-    short = amount - (space.capacity - space.used + space.releasing - pending)
-    if short <= 0:
-        return target, []
-    if space.idle_bytes < short:
+    missing = amount - (space.capacity - space.used + space.releasing - pending)
+    if missing <= 0:
+        return target, lower, []
+    if space.idle_bytes < missing:
         return None
-    displaced = _displaced(books, entry, {lower: target[lower]}, lower, short)
-    return None if displaced is None else (target, displaced)
+    displaced = _displaced(books, entry, {lower: target[lower]}, lower, missing)
+    return None if displaced is None else (target, lower, displaced)
 
 
 def _displaced(

@@ -333,7 +333,7 @@ def evict(
         return False
     for victim in victims:
         if victim.idle_seq:  # (not taken by an earlier victim's demotion)
-            evict_one(books, victim, Reason.CAPACITY)
+            evict_one(books, victim, Reason.CAPACITY, shortfall)
     return True
 
 
