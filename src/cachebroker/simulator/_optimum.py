@@ -403,6 +403,9 @@ def offline_bound(
         best = -result.fun if result.x is not None and math.isfinite(result.fun) else None
         if best is None:  # no solution found in time: a greedy one tops the bracket
             best = schedule()
+        elif lower:  # (with tiers, the solver's first solutions are often far worse)
+            greedy = schedule()
+            best = best if greedy is None else max(best, greedy)
         return bound(-dual, "milp-bound", best)
     # The MILP gave no proven bound in time: fall back to the LP relaxation,
     # with a feasible schedule above it.
