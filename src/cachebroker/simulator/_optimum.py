@@ -28,8 +28,10 @@ has room only then), so the model is indexed by time there: a variable per
 request of its space that the gap spans says whether it is still on top,
 and may only fall along the gap (``_build_tiered``). Its capacity rows are
 written in shares of each space's budget. Demotions and promotions take no
-time, as loads do, so with tiers too this is a lower bound of every policy
-replayed in sequential timing. It is about ten times as many variables:
+time, as loads do, but a value promoted at a request holds its room below
+during that request (no two values swap tiers at once, as in the core), so
+with tiers too this is a lower bound of every policy replayed in sequential
+timing. It is about ten times as many variables:
 the built-in workload's 2,000 requests take from one second (a lower tier
 that holds what is demoted) to over a minute (a lower tier that is short
 too), when the bracket below is what comes back.
@@ -235,7 +237,10 @@ def _build_tiered(
     dropped, its ``load_seconds``. Every other gap has one variable, as
     without tiers. Capacity rows are written at each request for the spaces
     it uses, and for the lower tier of each of them (where values arrive when
-    demoted).
+    demoted). A value promoted at a request still counts below in that
+    request's row: the core charges a move in both spaces until it ends, so
+    two values never swap tiers at one request (each move would wait for the
+    other's room).
     """
     model = _Model()
     keys = [(request.cache, request.key) for request in requests]
@@ -261,6 +266,9 @@ def _build_tiered(
             model.gain[closing.kept] = closing.load - closing.promote
             model.gain[closing.tops[-1]] = closing.promote
             model.top[closing.number] = closing.tops[-1]
+        # Promoted here, the value still holds its room below while it moves
+        # up: what goes down at this request cannot take that room.
+        rising = closing if isinstance(closing, _Gap) and closing.tops else None
         used = [space for space, amount in size.items() if amount > 0]
         for space in used:  # a value demotable from here must leave at this request or not
             for gap in open_gaps.values():
@@ -280,6 +288,10 @@ def _build_tiered(
                         terms[column] = terms.get(column, 0.0) + value
                 elif gap[1].get(space):
                     terms[gap[0]] = float(gap[1][space])
+            if rising is not None and space == rising.lower:
+                amount = float(rising.size[rising.source])
+                terms[rising.kept] = terms.get(rising.kept, 0.0) + amount
+                terms[rising.current] = terms.get(rising.current, 0.0) - amount
             # In shares of the budget: beside the ordering rows' coefficients of
             # 1, rows of bytes (up to 1e11) defeat the solver's absolute tolerances.
             scale = float(budget[space]) or 1.0
@@ -577,13 +589,15 @@ def _greedy_tiered(
         ]
         if not all(fits(room, before, after, n) for room, n in others):
             continue
-        below = slack[lower][split:after]
-        if len(below) and float(below.min()) < amount + size.get(lower, 0):
+        # Below from the split on, and at its request too (its promotion holds
+        # its room below until it ends).
+        below = slack[lower][split : after + 1]
+        if float(below.min()) < amount + size.get(lower, 0):
             continue
         for room, n in others:
             room[before + 1 : after] -= n
         slack[source][before + 1 : split] -= amount
-        slack[lower][split:after] -= amount
+        slack[lower][split : after + 1] -= amount
         saved += requests[after].load_seconds - requests[after].promote_seconds
     return saved
 

@@ -158,6 +158,8 @@ def replay(
             names a space the budget does not have; an unknown ``timing``;
             ``tiers`` names a space the budget does not have, or a request
             has a negative ``promote_seconds`` or ``demote_seconds``.
+        RuntimeError: the books ended with requests still waiting for space
+            that nothing would free (rather than report figures without them).
     """
     if timing not in TIMINGS:
         raise InvalidArgument(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
@@ -180,6 +182,7 @@ def replay(
     loaded = 0
     all_loads = 0.0
     promoted = 0.0
+    comebacks = 0
     now = 0.0
     sweeping = idle_ttl is not None
     ready = State.READY
@@ -294,15 +297,25 @@ def replay(
                 state = entry.state
                 if not (state is State.LOADING or (state is State.MOVING and entry.promoting)):
                     arrival[ticket] = (number, now)
+                if state is State.MOVING and not entry.promoting and len(entry.joiners) == 1:
+                    # The first request during a demotion: the core queues its
+                    # promotion when the move ends, and counts no miss for it.
+                    comebacks += 1
         if core.effects:
             perform()
     complete_until(math.inf)
+    if core.queue:  # (nothing is in flight: they would wait forever)
+        stuck = ", ".join(f"{entry.cache}:{entry.key}" for entry in core.queue)
+        raise RuntimeError(
+            f"the replay ended with requests never served: {stuck} still wait for space "
+            "that nothing in flight will free"
+        )
     return ReplayResult(
         policy=name,
         budget=dict(budget),
         requests=len(requests),
-        hits=core.hits,
-        misses=core.misses,
+        hits=core.hits - comebacks,
+        misses=core.misses + comebacks,
         reload_seconds=core.load_seconds + promoted,
         all_loads_seconds=all_loads,
         bytes_loaded=loaded,
