@@ -34,7 +34,8 @@ from ._online import OnlineOptimum, online_optimum
 from ._optimum import Bound, offline_bound
 from ._replay import TIMINGS, ReplayResult, replay
 from ._replay import Timing as _Timing
-from ._request import PROMOTE_FRACTION, Request, check_tiers
+from ._request import PROMOTE_FRACTION, Request
+from ._request import check_tiers as _check_tiers
 from ._workload import BUDGETS, CATALOGUE, builtin_workload
 
 if TYPE_CHECKING:
@@ -218,7 +219,7 @@ def simulate(
         raise InvalidArgument("give at least one policy")
     if idle_ttl is not None and not idle_ttl > 0:
         raise InvalidArgument(f"idle_ttl must be a positive number of seconds, got {idle_ttl!r}")
-    lower = [check_tiers(tiers, budget, requests) for budget in resolved]
+    lower = [_check_tiers(tiers, budget, requests) for budget in resolved]
     comparisons = []
     for budget, tiered in zip(resolved, lower, strict=True):
         label = _budget_label(budget, tiered)
