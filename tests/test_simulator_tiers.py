@@ -693,3 +693,37 @@ def test_a_value_demoted_for_room_it_keeps_does_not_block_the_waiter_forever() -
     budget = {"gpu": 10, "cpu": 4, "ram": 5}
     result = replay(trace, budget, "lru", tiers=TIERS, timing="replay")
     assert result.hits + result.misses == 3
+
+
+@settings(deadline=None)
+@given(trace=traces(), top=st.integers(10, 20), below=st.integers(10, 20))
+def test_requests_far_apart_make_the_clock_change_nothing_but_the_waits(
+    trace: list[Request], top: int, below: int
+) -> None:
+    # Spaced wider than any load, move and hold, each request is served and
+    # every move over before the next: the clock may delay a load behind a
+    # demotion, but decides nothing differently.
+    spaced = [
+        Request(
+            time=100.0 * number,
+            key=r.key,
+            size=r.size,
+            load_seconds=r.load_seconds,
+            promote_seconds=r.promote_seconds,
+            demote_seconds=r.demote_seconds,
+            hold_seconds=r.hold_seconds,
+        )
+        for number, r in enumerate(trace)
+    ]
+    budget = {"gpu": top, "ram": below}
+    for policy in POLICIES:
+        clock = replay(spaced, budget, policy, tiers=TIERS, timing="replay")
+        sequential = replay(spaced, budget, policy, tiers=TIERS, timing="sequential")
+        assert (clock.hits, clock.misses, clock.evictions) == (
+            sequential.hits,
+            sequential.misses,
+            sequential.evictions,
+        )
+        assert (clock.demotions, clock.promotions) == (sequential.demotions, sequential.promotions)
+        assert clock.reload_seconds == pytest.approx(sequential.reload_seconds)
+        assert all(wait <= 12.0 for wait in clock.wait_seconds)  # a demotion's at most
