@@ -31,10 +31,10 @@ written in shares of each space's budget. Demotions and promotions take no
 time, as loads do, but a value promoted at a request holds its room below
 during that request (no two values swap tiers at once, as in the core), so
 with tiers too this is a lower bound of every policy replayed in sequential
-timing. It is about ten times as many variables:
-the built-in workload's 2,000 requests take from one second (a lower tier
-that holds what is demoted) to over a minute (a lower tier that is short
-too), when the bracket below is what comes back.
+timing. It has about ten times as many variables: the built-in workload's
+2,000 requests take 1-15 s where the lower tier has room for what is
+demoted; where it is short too, the solver may not close the gap in
+minutes, and the bracket below is what comes back.
 
 Traces up to ``exact_limit`` requests (100,000 by default) are solved as a
 MILP (HiGHS, through scipy): 20,000 requests of the built-in catalogue take
