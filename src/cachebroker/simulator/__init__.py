@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -34,7 +34,8 @@ from ._online import OnlineOptimum, online_optimum
 from ._optimum import Bound, offline_bound
 from ._replay import TIMINGS, ReplayResult, replay
 from ._replay import Timing as _Timing
-from ._request import Request
+from ._request import PROMOTE_FRACTION, Request
+from ._request import check_tiers as _check_tiers
 from ._workload import BUDGETS, CATALOGUE, builtin_workload
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ __all__ = (
     "Bound",
     "Comparison",
     "OnlineOptimum",
+    "PROMOTE_FRACTION",
     "ReplayResult",
     "Request",
     "TraceError",
@@ -82,7 +84,9 @@ class Comparison:
             (``None`` if not computed; ``online_note`` then says why when it
             was asked for).
         online_note: Why the online optimum was skipped (too many keys share
-            spaces), or ``None``.
+            spaces, or tiers), or ``None``.
+        tiers: The lower tier of each tiered space (empty without tiers);
+            ``budget`` has the lower tiers' bytes too.
     """
 
     budget: Mapping[str, int]
@@ -91,18 +95,40 @@ class Comparison:
     timing: _Timing = "sequential"
     online: OnlineOptimum | None = None
     online_note: str | None = None
+    tiers: Mapping[str, str] = attrs.field(factory=dict)
 
     @property
     def label(self) -> str:
-        """The budget for people: ``"48GiB"``, or ``"ram=16GiB,cuda:0=24GiB"``."""
-        return _budget_label(self.budget)
+        """The budget for people: ``"48.0 GiB"``, ``"ram=16.0 GiB,cuda:0=24.0 GiB"``, or
+        with a lower tier ``"48.0 GiB + ram 64.0 GiB"``."""
+        return _budget_label(self.budget, self.tiers)
+
+    @property
+    def top_budget(self) -> dict[str, int]:
+        """``budget`` without the lower tiers: the spaces the trace's requests use."""
+        lower = set(self.tiers.values())
+        return {space: amount for space, amount in self.budget.items() if space not in lower}
+
+    @property
+    def tier_budget(self) -> dict[str, int]:
+        """The lower tiers' bytes (empty without tiers)."""
+        lower = set(self.tiers.values())
+        return {space: amount for space, amount in self.budget.items() if space in lower}
 
 
-def _budget_label(budget: Mapping[str, int]) -> str:
-    """``"48GiB"`` for a budget of one space, ``"ram=16GiB,cuda:0=24GiB"`` for several."""
-    if len(budget) == 1:
-        return format_bytes(next(iter(budget.values())))
-    return ",".join(f"{space}={format_bytes(amount)}" for space, amount in budget.items())
+def _budget_label(budget: Mapping[str, int], tiers: Mapping[str, str] | None = None) -> str:
+    """``"48.0 GiB"`` for a budget of one space, ``"ram=16.0 GiB,cuda:0=24.0 GiB"`` for
+    several; lower tiers follow as ``" + ram 64.0 GiB"``."""
+    lower = set((tiers or {}).values())
+    top = {space: amount for space, amount in budget.items() if space not in lower}
+    if len(top) == 1:
+        label = format_bytes(next(iter(top.values())))
+    else:
+        label = ",".join(f"{space}={format_bytes(amount)}" for space, amount in top.items())
+    for space, amount in budget.items():
+        if space in lower:
+            label += f" + {space} {format_bytes(amount)}"
+    return label
 
 
 def resolve_budgets(
@@ -151,6 +177,7 @@ def simulate(
     bound_time_limit: float = 30.0,
     online: bool = True,
     progress: Callable[[str], None] | None = None,
+    tiers: Mapping[str, str] | None = None,
 ) -> list[Comparison]:
     """Replay ``requests`` under every policy at every budget.
 
@@ -172,10 +199,17 @@ def simulate(
             popularity, run on the trace. Skipped, with ``online_note`` saying
             so, when more than 14 keys share spaces.
         progress: Called with a short description as each step starts.
+        tiers: Each tiered space's lower tier, ``{"default": "ram"}``: an idle
+            value may be moved down instead of dropped, and promoted back for
+            its next request at its ``promote_seconds`` (see ``replay``).
+            Every budget must then give the lower tiers' bytes too (``{"default":
+            "48GiB", "ram": "64GiB"}``). The offline optimum covers the tiers;
+            the online optimum does not, and is skipped with a note.
 
     Raises:
         InvalidArgument: a budget, policy or request is unusable (a request
-            larger than its space's budget, for one).
+            larger than its space's budget, for one); ``tiers`` names a space
+            a budget lacks, or a request has a negative ``promote_seconds``.
         ImportError: ``bound`` is true and scipy is not installed, or
             ``online`` is true and numpy is not.
     """
@@ -185,22 +219,28 @@ def simulate(
         raise InvalidArgument("give at least one policy")
     if idle_ttl is not None and not idle_ttl > 0:
         raise InvalidArgument(f"idle_ttl must be a positive number of seconds, got {idle_ttl!r}")
+    lower = [_check_tiers(tiers, budget, requests) for budget in resolved]
     comparisons = []
-    for budget in resolved:
+    for budget, tiered in zip(resolved, lower, strict=True):
+        label = _budget_label(budget, tiered)
         results = []
         for name in names:
             if progress is not None:
-                progress(f"{name} at {_budget_label(budget)}")
-            results.append(replay(requests, budget, name, idle_ttl=idle_ttl, timing=timing))
+                progress(f"{name} at {label}")
+            results.append(
+                replay(requests, budget, name, idle_ttl=idle_ttl, timing=timing, tiers=tiered)
+            )
         optimum = None
         if bound:
             if progress is not None:
-                progress(f"optimum at {_budget_label(budget)}")
-            optimum = offline_bound(requests, budget, time_limit=bound_time_limit)
+                progress(f"optimum at {label}")
+            optimum = offline_bound(requests, budget, time_limit=bound_time_limit, tiers=tiered)
         reference = note = None
-        if online:
+        if online and tiered:
+            note = "it does not model tiers"
+        elif online:
             if progress is not None:
-                progress(f"online optimum at {_budget_label(budget)}")
+                progress(f"online optimum at {label}")
             try:
                 reference = online_optimum(requests, budget)
             except InvalidArgument as exc:  # too many keys share spaces
@@ -213,6 +253,7 @@ def simulate(
                 timing=timing,
                 online=reference,
                 online_note=note,
+                tiers=tiered,
             )
         )
     return comparisons
@@ -235,7 +276,10 @@ def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Fi
     mean (solid) and 99th-percentile (dashed) wait for space (in the
     sequential model no request waits, so that panel is left out). ``title``
     names the workload; without it the figure is titled by the number of
-    requests. Budgets must be of a single space (the x axis is bytes). Needs
+    requests. Budgets must be of a single space (the x axis is bytes), not
+    counting lower tiers: comparisons with a tier are drawn as lines of their
+    own, the policy's colour with a marker per tier (labelled ``"lru + ram
+    64.0 GiB"``; their optimum in black with the same marker). Needs
     matplotlib; the figure is not registered with ``pyplot``, so nothing
     needs closing.
 
@@ -245,7 +289,7 @@ def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Fi
     """
     if not comparisons:
         raise InvalidArgument("nothing to plot: no comparison")
-    if any(len(comparison.budget) != 1 for comparison in comparisons):
+    if any(len(comparison.top_budget) != 1 for comparison in comparisons):
         raise InvalidArgument("plots need budgets of a single space (the x axis is bytes)")
     try:
         from matplotlib.figure import Figure
@@ -253,46 +297,56 @@ def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Fi
         raise ImportError(
             "plots need matplotlib: pip install matplotlib (cachebroker's 'sim' extra)"
         ) from exc
-    ordered = sorted(comparisons, key=lambda c: next(iter(c.budget.values())))
-    gib = [next(iter(c.budget.values())) / 2**30 for c in ordered]
-    timed = any(comparison.timing == "replay" for comparison in ordered)
+    timed = any(comparison.timing == "replay" for comparison in comparisons)
     drawn = Figure(figsize=(15 if timed else 10, 4.4), layout="constrained")
     panels = list(drawn.subplots(1, 3 if timed else 2))
     reloads, ratios = panels[:2]
-    for index, result in enumerate(ordered[0].results):
-        series = [c.results[index] for c in ordered]
-        (line,) = reloads.plot(
-            gib, [r.reload_seconds for r in series], marker="o", label=result.policy
-        )
-        color = line.get_color()
-        ratios.plot(
-            gib, [r.hit_ratio for r in series], marker="o", color=color, label=result.policy
-        )
-        if timed:
-            waits = panels[2]
-            waits.plot(
-                gib, [r.mean_wait for r in series], marker="o", color=color, label=result.policy
+    # One set of lines per tier (the comparisons without one first).
+    variants: dict[str, list[Comparison]] = {}
+    for comparison in comparisons:
+        suffix = _budget_label(comparison.tier_budget, comparison.tiers) if comparison.tiers else ""
+        variants.setdefault(suffix.removeprefix(" "), []).append(comparison)
+    colors: dict[str, str] = {}
+    for number, (suffix, group) in enumerate(sorted(variants.items(), key=lambda v: bool(v[0]))):
+        ordered = sorted(group, key=lambda c: next(iter(c.top_budget.values())))
+        gib = [next(iter(c.top_budget.values())) / 2**30 for c in ordered]
+        marker = "o" if not suffix else "sD^vP*X"[(number - 1) % 7]
+        named = f" {suffix}" if suffix else ""
+        for index, result in enumerate(ordered[0].results):
+            series = [c.results[index] for c in ordered]
+            style: dict[str, Any] = {"marker": marker, "label": result.policy + named}
+            if result.policy in colors:
+                style["color"] = colors[result.policy]
+            (line,) = reloads.plot(gib, [r.reload_seconds for r in series], **style)
+            color = colors.setdefault(result.policy, line.get_color())
+            style["color"] = color
+            ratios.plot(gib, [r.hit_ratio for r in series], **style)
+            if timed:
+                waits = panels[2]
+                waits.plot(gib, [r.mean_wait for r in series], **style)
+                waits.plot(
+                    gib, [r.p99_wait for r in series], marker="x", linestyle="--", color=color
+                )
+        bounds = [c.bound for c in ordered]
+        if all(b is not None for b in bounds):
+            exact = all(b is not None and b.method == "exact" for b in bounds)
+            reloads.plot(
+                gib,
+                [b.reload_seconds for b in bounds if b is not None],
+                linestyle="--",
+                color="black",
+                label=("optimum" if exact else "optimum (lower bound)") + named,
+                **({"marker": marker} if suffix else {}),
             )
-            waits.plot(gib, [r.p99_wait for r in series], marker="x", linestyle="--", color=color)
-    bounds = [c.bound for c in ordered]
-    if all(b is not None for b in bounds):
-        exact = all(b is not None and b.method == "exact" for b in bounds)
-        reloads.plot(
-            gib,
-            [b.reload_seconds for b in bounds if b is not None],
-            linestyle="--",
-            color="black",
-            label="optimum" if exact else "optimum (lower bound)",
-        )
-    online = [c.online for c in ordered]
-    if all(o is not None for o in online):
-        reloads.plot(
-            gib,
-            [o.reload_seconds for o in online if o is not None],
-            linestyle=":",
-            color="black",
-            label="online optimum",
-        )
+        online = [c.online for c in ordered]
+        if all(o is not None for o in online):
+            reloads.plot(
+                gib,
+                [o.reload_seconds for o in online if o is not None],
+                linestyle=":",
+                color="black",
+                label="online optimum" + named,
+            )
     reloads.set(xlabel="budget (GiB)", ylabel="total reload seconds", title="Reload time")
     ratios.set(xlabel="budget (GiB)", ylabel="hit ratio", title="Hit ratio")
     if timed:
@@ -307,7 +361,7 @@ def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Fi
         axes.legend()
     reloads.set_ylim(bottom=0)
     if title is None:
-        title = f"{ordered[0].results[0].requests:,} requests"
+        title = f"{comparisons[0].results[0].requests:,} requests"
     drawn.suptitle(title)
     return drawn
 

@@ -40,7 +40,15 @@ TRACE_HELP = """\
 CSV file with a header and one request per row. Columns: time (seconds,
 non-decreasing), key, size (bytes or '4GiB'), load_seconds (what a miss costs);
 optional hold_seconds (how long the lease is held, default 0), space (default
-'default'), cache (the owner, default 'default')."""
+'default'), cache (the owner, default 'default'), promote_seconds (with --tier:
+what a miss costs when the value waits in the lower tier, default a tenth of
+load_seconds) and demote_seconds (the move down, default promote_seconds)."""
+
+TIER_HELP = """compare each budget with a lower memory tier too: 'ram=64GiB' adds a space
+'ram' of 64 GiB below every space the trace uses, where idle values are moved
+instead of dropped and promoted back for their next request (at the trace's
+promote_seconds); 'ram=64GiB,128GiB' compares two sizes of it; repeat for
+more. Each budget is shown without the tier and with each."""
 
 
 def add_parser(commands: Any, name: str, help: str) -> None:
@@ -55,6 +63,7 @@ def add_parser(commands: Any, name: str, help: str) -> None:
         "'ram=16GiB,cuda:0=24GiB' (one budget of several spaces); repeat for more. "
         f"Default for the built-in workload: {','.join(f'{b // 2**30}GiB' for b in BUDGETS)}",
     )
+    parser.add_argument("--tier", action="append", metavar="SPACE=SIZES", help=TIER_HELP)
     parser.add_argument(
         "--policy",
         default=",".join(POLICIES),
@@ -108,6 +117,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         requests, source, budgets = _workload(args)
         policies = [name.strip() for name in args.policy.split(",") if name.strip()]
         budgets = resolve_budgets(budgets, requests)
+        tiers = _tiers(args.tier or [], budgets)
         if args.idle_ttl is not None and not (args.idle_ttl > 0 and math.isfinite(args.idle_ttl)):
             raise InvalidArgument(f"--idle-ttl must be a positive number, got {args.idle_ttl}")
         if not args.bound_time_limit > 0:
@@ -133,19 +143,29 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise InvalidArgument(
                 "--plot needs matplotlib: pip install matplotlib (cachebroker's 'sim' extra)"
             )
-        steps = len(budgets) * (len(policies) + bound + online)
+        used = sorted({space for request in requests for space in request.size})
+        steps = len(budgets) * ((1 + len(tiers)) * (len(policies) + bound) + online)
         with _progress(steps) as step:
-            comparisons = simulate(
-                requests,
-                budgets,
-                policies,
-                idle_ttl=args.idle_ttl,
-                timing=args.timing,
-                bound=bound,
-                bound_time_limit=args.bound_time_limit,
-                online=online,
-                progress=step,
-            )
+            # Per budget: without a tier, then with each tier asked for.
+            variants: list[list[Comparison]] = []
+            for space, amount in [(None, 0), *tiers]:
+                variants.append(
+                    simulate(
+                        requests,
+                        budgets
+                        if space is None
+                        else [{**budget, space: amount} for budget in budgets],
+                        policies,
+                        idle_ttl=args.idle_ttl,
+                        timing=args.timing,
+                        bound=bound,
+                        bound_time_limit=args.bound_time_limit,
+                        online=online and space is None,
+                        progress=step,
+                        tiers=None if space is None else dict.fromkeys(used, space),
+                    )
+                )
+            comparisons = [c for per_budget in zip(*variants, strict=True) for c in per_budget]
         if args.plot is not None:
             plot(comparisons, args.plot, title=_plot_title(args, len(requests)))
     except OSError as exc:
@@ -190,6 +210,28 @@ def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     parser.exit(2, f"{parser.prog}: error: {message}\n(see {parser.prog} --help)\n")
 
 
+def _tiers(values: list[str], budgets: list[dict[str, int]]) -> list[tuple[str, int]]:
+    """``--tier`` values as (lower space, bytes), checked against the budgets' spaces."""
+    tiers: list[tuple[str, int]] = []
+    for value in values:
+        space, sep, amounts = value.partition("=")
+        space = space.strip()
+        parts = [part.strip() for part in amounts.split(",") if part.strip()]
+        if not sep or not space or not parts or any("=" in part for part in parts):
+            raise InvalidArgument(
+                f"--tier {value!r} is not SPACE=SIZE[,SIZE...]: a lower tier's space and "
+                "its budget(s), as in 'ram=64GiB' or 'ram=64GiB,128GiB'"
+            )
+        if any(space in budget for budget in budgets):
+            raise InvalidArgument(
+                f"--tier {value!r}: the budget already has a space {space!r}; the lower tier "
+                "is a space of its own, below every space the trace uses "
+                "(simulate(..., tiers=...) in Python sets any tiers)"
+            )
+        tiers.extend((space, parse_bytes(part, what=f"--tier {space}")) for part in parts)
+    return tiers
+
+
 def _budgets(values: list[str]) -> list[Any]:
     budgets: list[Any] = []
     for value in values:
@@ -222,9 +264,8 @@ def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
     for comparison in comparisons:
         bound = comparison.bound
         optimum = None if bound is None else _seconds(bound.reload_seconds)
-        budget: int | dict[str, int] = dict(comparison.budget)
-        if len(comparison.budget) == 1:
-            budget = next(iter(comparison.budget.values()))
+        top = comparison.top_budget
+        budget: int | dict[str, int] = next(iter(top.values())) if len(top) == 1 else top
         for result in comparison.results:
             out.append(
                 {
@@ -261,6 +302,11 @@ def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
                     ),
                     "online_note": comparison.online_note,
                     "timing": comparison.timing,
+                    "tiers": dict(comparison.tiers),
+                    "tier_budget": comparison.tier_budget or None,
+                    "demotions": result.demotions,
+                    "promotions": result.promotions,
+                    "promote_seconds": _seconds(result.promote_seconds),
                 }
             )
     return out
@@ -296,6 +342,9 @@ HEADERS = (
     "of all loads",
     "loaded",
     "evictions",
+    "demotions",
+    "promotions",
+    "promote s",
     "wait mean",
     "wait p99",
     "vs optimum",
@@ -319,6 +368,9 @@ def table_rows(comparisons: list[Comparison]) -> list[tuple[str, ...]]:
                     _percent(result.reload_seconds, result.all_loads_seconds),
                     format_bytes(result.bytes_loaded),
                     f"{result.evictions:,}",
+                    f"{result.demotions:,}",
+                    f"{result.promotions:,}",
+                    f"{result.promote_seconds:,.0f}",
                     f"{result.mean_wait:.2f}s",
                     f"{result.p99_wait:.2f}s",
                     _gap(result.reload_seconds, None if bound is None else bound.reload_seconds),
@@ -336,10 +388,7 @@ def table_rows(comparisons: list[Comparison]) -> list[tuple[str, ...]]:
                     "",
                     f"{seconds:,.0f}",
                     _percent(seconds, all_loads),
-                    "",
-                    "",
-                    "",
-                    "",
+                    *[""] * 7,
                     _gap(seconds, None if bound is None else bound.reload_seconds),
                 )
             )
@@ -354,11 +403,7 @@ def table_rows(comparisons: list[Comparison]) -> list[tuple[str, ...]]:
                     "",
                     f"{bound.reload_seconds:,.0f}",
                     _percent(bound.reload_seconds, all_loads),
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
+                    *[""] * 8,
                 )
             )
     return cells
@@ -371,6 +416,8 @@ def _print_table(comparisons: list[Comparison], source: str, requests: int, out:
     dropped = set()
     if timing == "sequential":
         dropped |= {"wait mean", "wait p99"}  # no request waits: loads take no time
+    if not any(comparison.tiers for comparison in comparisons):
+        dropped |= {"demotions", "promotions", "promote s"}
     if timing == "replay" or all(comparison.bound is None for comparison in comparisons):
         # The optimum is the sequential model's: under the virtual clock a
         # policy may come in under it (requests that wait for space).
@@ -416,6 +463,14 @@ def _print_notes(comparisons: list[Comparison], out: IO[str]) -> None:
     skipped = next((c.online_note for c in comparisons if c.online_note), None)
     if skipped:
         print(f"online optimum skipped: {skipped}", file=out)
+    if any(c.tiers for c in comparisons):
+        print(
+            "with a tier ('+ ram ...'): idle values are moved down instead of dropped; "
+            "reload s counts the cold loads and the promotions back up (promote s); a "
+            "demotion is no eviction. The optimum there covers the tier (moves take no "
+            "time in its model, as loads); the online optimum does not, and is left out",
+            file=out,
+        )
     methods = {c.bound.method for c in comparisons if c.bound is not None}
 
     def brackets(method: str) -> str:

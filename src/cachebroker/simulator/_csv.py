@@ -21,7 +21,17 @@ from ._request import Request
 __all__ = ["COLUMNS", "TraceError", "parse_trace", "read_trace"]
 
 #: The columns a trace may have, in the order the docs list them.
-COLUMNS = ("time", "key", "size", "load_seconds", "hold_seconds", "space", "cache")
+COLUMNS = (
+    "time",
+    "key",
+    "size",
+    "load_seconds",
+    "hold_seconds",
+    "space",
+    "cache",
+    "promote_seconds",
+    "demote_seconds",
+)
 REQUIRED = ("time", "key", "size", "load_seconds")
 
 
@@ -165,6 +175,12 @@ def _request(fields: dict[str, str], line: int, source: str) -> Request:
         size = parse_bytes(name("size"), what="size")
     except (TypeError, ValueError) as exc:
         raise TraceError(str(exc), source=source, line=line, column="size") from None
+    # Tier costs left out (or empty) take the Request's defaults.
+    tier_costs = {
+        column: seconds(column)
+        for column in ("promote_seconds", "demote_seconds")
+        if fields.get(column, "")
+    }
     return Request(
         time=seconds("time"),
         key=name("key"),
@@ -173,4 +189,5 @@ def _request(fields: dict[str, str], line: int, source: str) -> Request:
         hold_seconds=seconds("hold_seconds", 0.0),
         cache=name("cache", "default"),
         line=line,
+        **tier_costs,
     )

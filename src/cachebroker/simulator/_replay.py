@@ -14,6 +14,16 @@ end at time t are applied before the requests arriving at t. A request with
 optimum solves: a load takes no time and a lease ends at once, so each
 request is served before the next arrives and none waits for space. The
 reload seconds still count each miss's ``load_seconds``.
+
+With ``tiers`` (``{"gpu": "ram"}``), owners can move values: the core demotes
+an idle value to the lower tier instead of dropping it when the lower tier's
+policy ranks it worth its room there, and a request for a demoted value
+promotes it back. A promotion is a reload from the lower tier: it takes the
+``promote_seconds`` of the request that asked for it (virtual time under
+``"replay"``, none under ``"sequential"``) and those seconds count in the
+reload seconds. A demotion takes the ``demote_seconds`` of the request that
+last loaded or promoted the value (under ``"replay"``; it holds its bytes in
+both tiers meanwhile) and counts as no reload.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ from .._core import (
 )
 from .._errors import InvalidArgument
 from .._policies import Policy, make_policy
-from ._request import Request, check_fits, where
+from ._request import Request, check_fits, check_tiers, where
 
 __all__ = ["TIMINGS", "ReplayResult", "Request", "Timing", "replay"]
 
@@ -62,16 +72,25 @@ class ReplayResult:
         policy: The policy's name.
         budget: Bytes per space.
         requests: Requests replayed.
-        hits: Requests served without a load of their own (hits, and joins of a
-            load already in flight).
-        misses: Requests that started a load.
-        reload_seconds: The load time of every miss, summed.
+        hits: Requests served without a load or promotion of their own (hits,
+            and joins of a load or promotion already in flight).
+        misses: Requests that started a load, or a promotion of a value
+            waiting in a lower tier.
+        reload_seconds: The load time of every miss, summed; with tiers, the
+            load seconds of the cold loads plus the ``promote_seconds`` of the
+            promotions (a promotion is a reload from the lower tier).
         all_loads_seconds: What loading on every request would have cost.
-        bytes_loaded: Bytes of every load, summed over spaces.
-        evictions: Entries released to make room or because they idled too long.
+        bytes_loaded: Bytes of every load, summed over spaces (promotions are
+            not loads).
+        evictions: Entries released to make room or because they idled too
+            long, from any tier (a demotion is not an eviction).
         wait_seconds: Per request, how long it waited for space before its load
-            could start (0 for hits and for joins of a load in flight), in
-            arrival order.
+            or promotion could start (0 for hits and for joins of a load or
+            move in flight), in arrival order.
+        tiers: The lower tier of each tiered space (empty without tiers).
+        demotions: Values moved down a tier instead of being dropped.
+        promotions: Values moved back up for a request.
+        promote_seconds: The part of ``reload_seconds`` paid for promotions.
     """
 
     policy: str
@@ -84,6 +103,15 @@ class ReplayResult:
     bytes_loaded: int
     evictions: int
     wait_seconds: tuple[float, ...]
+    tiers: Mapping[str, str] = attrs.field(factory=dict)
+    demotions: int = 0
+    promotions: int = 0
+    promote_seconds: float = 0.0
+
+    @property
+    def cold_seconds(self) -> float:
+        """The load seconds of the cold loads: ``reload_seconds`` less the promotions'."""
+        return self.reload_seconds - self.promote_seconds
 
     @property
     def hit_ratio(self) -> float:
@@ -116,26 +144,34 @@ def replay(
     *,
     idle_ttl: float | None = None,
     timing: Timing = "replay",
+    tiers: Mapping[str, str] | None = None,
 ) -> ReplayResult:
     """Replay ``requests`` (sorted by time) and return the totals.
 
     ``timing``: ``"replay"`` (loads take their ``load_seconds``, leases their
     ``hold_seconds``) or ``"sequential"`` (both take no time; see the module
-    docstring).
+    docstring). ``tiers``: each tiered space's lower tier, ``{"gpu": "ram"}``,
+    both spaces of ``budget`` (one level: a lower tier has none below it).
 
     Raises:
         InvalidArgument: a request is larger than its space's whole budget, or
-            names a space the budget does not have; an unknown ``timing``.
+            names a space the budget does not have; an unknown ``timing``;
+            ``tiers`` names a space the budget does not have, or a request
+            has a negative ``promote_seconds`` or ``demote_seconds``.
+        RuntimeError: the books ended with requests still waiting for space
+            that nothing would free (rather than report figures without them).
     """
     if timing not in TIMINGS:
         raise InvalidArgument(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
     timed = timing == "replay"
     check_fits(requests, budget)
+    lower = check_tiers(tiers, budget, requests)
+    moves = bool(lower)
     name = policy if isinstance(policy, str) else type(policy).__name__
-    core = Core(budget, make_policy(policy), idle_ttl=idle_ttl)
+    core = Core(budget, make_policy(policy), idle_ttl=idle_ttl, tiers=lower)
     owners: dict[str, Owner] = {}
     # Completions: (time, order, subject); an Entry is a load that finishes,
-    # an (entry, task) pair a lease that ends.
+    # an (entry, task) pair a lease that ends, a _Move a move that ends.
     pending: list[tuple[float, int, Any]] = []
     order = itertools.count()
     push = heapq.heappush
@@ -145,36 +181,58 @@ def replay(
     arrival: dict[Ticket, tuple[int, float]] = {}
     loaded = 0
     all_loads = 0.0
+    promoted = 0.0
+    comebacks = 0
     now = 0.0
     sweeping = idle_ttl is not None
     ready = State.READY
 
+    def started(shell: _Pending) -> None:
+        """The load or promotion the tickets of ``shell`` wait for starts now."""
+        for ticket in shell.tickets:
+            since = arrival.pop(ticket, None)
+            if since is not None:
+                waits[since[0]] = now - since[1]
+
     def perform() -> None:
-        nonlocal loaded
+        nonlocal loaded, promoted
         while core.effects:
             effects, core.effects = core.effects, []
             for effect in effects:
                 match effect:
                     case StartLoad(entry):
                         shell = entry.shell
-                        for ticket in shell.tickets:
-                            number, since = arrival.pop(ticket)
-                            waits[number] = now - since
-                        shell.started = True
+                        started(shell)
                         loaded += sum(entry.charge.values())
                         took = shell.load_seconds if timed else 0.0
                         push(pending, (now + took, next(order), entry))
                     case StartRelease(entry, _):
                         core.release_done(entry)
+                    case StartMove(entry, _):
+                        shell = entry.shell
+                        if entry.promoting:
+                            started(shell)
+                            # The first requester waiting asked for the promotion.
+                            first = requests[shell.tickets[0].task]
+                            seconds = first.promote_seconds
+                            shell.demote_seconds = first.demote_seconds
+                            promoted += seconds
+                        else:
+                            seconds = shell.demote_seconds
+                        move = _Move(entry, seconds)
+                        if timed and seconds > 0:
+                            push(pending, (now + seconds, next(order), move))
+                        else:
+                            core.move_done(entry, None, None, seconds, now)
                     case Settled(entry):
                         for ticket in entry.shell.tickets:
                             arrival.pop(ticket, None)
                             if ticket.outcome is True:
                                 end(entry, ticket.task, holds.pop(ticket))
                         entry.shell.tickets = []
-                    case CancelLoad() | Quarantined() | OwnerEmpty() | StartMove():
+                    case CancelLoad() | Quarantined() | OwnerEmpty():
                         # Never made here: requests are never withdrawn, owners never
-                        # close nor move values, and releases are acknowledged at once.
+                        # close, and releases and moves always succeed.
                         pass
                     case _:
                         assert_never(effect)
@@ -191,8 +249,11 @@ def replay(
             now, _, subject = pop(pending)
             if sweeping:
                 core.sweep(now)
-            if type(subject) is tuple:
+            kind = type(subject)
+            if kind is tuple:
                 core.lease_end(subject[0], subject[1], now)
+            elif kind is _Move:
+                core.move_done(subject.entry, None, None, subject.seconds, now)
             else:
                 core.load_done(subject, None, None, subject.shell.load_seconds, now)
             if core.effects:
@@ -213,7 +274,7 @@ def replay(
                 perform()
         owner = owners.get(request.cache)
         if owner is None:
-            owner = owners[request.cache] = core.open_owner(request.cache)
+            owner = owners[request.cache] = core.open_owner(request.cache, moves=moves)
         all_loads += request.load_seconds
         entry = owner.entries.get(request.key)
         if entry is not None and entry.state is ready:  # a hit, as the broker serves it
@@ -230,33 +291,60 @@ def replay(
                 holds[ticket] = request.hold_seconds
                 shell = entry.shell
                 if shell is None:
-                    shell = entry.shell = _Pending(request.load_seconds)
+                    shell = entry.shell = _Pending(request)
                 shell.tickets.append(ticket)
-                if not shell.started:
+                # It waits for space unless it joined a load or promotion under way.
+                state = entry.state
+                if not (state is State.LOADING or (state is State.MOVING and entry.promoting)):
                     arrival[ticket] = (number, now)
+                if state is State.MOVING and not entry.promoting and len(entry.joiners) == 1:
+                    # The first request during a demotion: the core queues its
+                    # promotion when the move ends, and counts no miss for it.
+                    comebacks += 1
         if core.effects:
             perform()
     complete_until(math.inf)
+    if core.queue:  # (nothing is in flight: they would wait forever)
+        stuck = ", ".join(f"{entry.cache}:{entry.key}" for entry in core.queue)
+        raise RuntimeError(
+            f"the replay ended with requests never served: {stuck} still wait for space "
+            "that nothing in flight will free"
+        )
     return ReplayResult(
         policy=name,
         budget=dict(budget),
         requests=len(requests),
-        hits=core.hits,
-        misses=core.misses,
-        reload_seconds=core.load_seconds,
+        hits=core.hits - comebacks,
+        misses=core.misses + comebacks,
+        reload_seconds=core.load_seconds + promoted,
         all_loads_seconds=all_loads,
         bytes_loaded=loaded,
         evictions=core.evictions[Reason.CAPACITY] + core.evictions[Reason.IDLE],
         wait_seconds=tuple(waits),
+        tiers=lower,
+        demotions=core.demotions,
+        promotions=core.promotions,
+        promote_seconds=promoted,
     )
 
 
 class _Pending:
-    """The replay's slot on an entry: its load time and the tickets waiting on it."""
+    """The replay's slot on an entry: its load and demotion times, and the tickets
+    waiting on it (for its load, a lease or a promotion)."""
 
-    __slots__ = ("load_seconds", "started", "tickets")
+    __slots__ = ("demote_seconds", "load_seconds", "tickets")
 
-    def __init__(self, load_seconds: float) -> None:
-        self.load_seconds = load_seconds
-        self.started = False
+    def __init__(self, request: Request) -> None:
+        self.load_seconds = request.load_seconds
+        self.demote_seconds = request.demote_seconds
         self.tickets: list[Ticket] = []
+
+
+class _Move:
+    """A move that ends: its entry and how long it took."""
+
+    __slots__ = ("entry", "seconds")
+
+    def __init__(self, entry: Entry, seconds: float) -> None:
+        self.entry = entry
+        self.seconds = seconds
