@@ -674,12 +674,6 @@ def test_a_request_during_a_demotion_waits_for_it_then_for_its_promotion() -> No
     assert result.reload_seconds == 10 + 0 + 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="the core demotes a victim chosen to free a space the demotion keeps, and queues "
-    "its promotion behind the waiter it was evicted for, which needs those very bytes",
-)
 def test_a_value_demoted_for_room_it_keeps_does_not_block_the_waiter_forever() -> None:
     # K4 waits for 3 bytes of host memory while K1 (4 GPU bytes and 2 host
     # bytes) loads. K1's lease ends and it is evicted for K4, but demoting

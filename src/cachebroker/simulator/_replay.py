@@ -182,7 +182,6 @@ def replay(
     loaded = 0
     all_loads = 0.0
     promoted = 0.0
-    comebacks = 0
     now = 0.0
     sweeping = idle_ttl is not None
     ready = State.READY
@@ -297,10 +296,6 @@ def replay(
                 state = entry.state
                 if not (state is State.LOADING or (state is State.MOVING and entry.promoting)):
                     arrival[ticket] = (number, now)
-                if state is State.MOVING and not entry.promoting and len(entry.joiners) == 1:
-                    # The first request during a demotion: the core queues its
-                    # promotion when the move ends, and counts no miss for it.
-                    comebacks += 1
         if core.effects:
             perform()
     complete_until(math.inf)
@@ -314,8 +309,8 @@ def replay(
         policy=name,
         budget=dict(budget),
         requests=len(requests),
-        hits=core.hits - comebacks,
-        misses=core.misses + comebacks,
+        hits=core.hits,
+        misses=core.misses,
         reload_seconds=core.load_seconds + promoted,
         all_loads_seconds=all_loads,
         bytes_loaded=loaded,
