@@ -70,6 +70,7 @@ async def test_a_demoted_module_is_on_the_lower_device_and_comes_back_with_its_w
                     load=functools.partial(plugin.load, name, WIDTH),
                     size={TOP: SIZE},
                     measure=plugin.measure,
+                    cost=recipe.LOAD_SECONDS,
                 )
 
             probe = torch.ones(1, WIDTH)
@@ -123,6 +124,7 @@ async def test_concurrent_requests_get_their_own_weights_after_any_number_of_mov
                     load=functools.partial(plugin.load, name, WIDTH),
                     size={TOP: SIZE},
                     measure=plugin.measure,
+                    cost=recipe.LOAD_SECONDS,
                 ) as lease:
                     assert device_of(lease.value) == on(TOP)
                     with torch.no_grad():

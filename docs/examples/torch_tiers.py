@@ -114,6 +114,11 @@ class TieredTorch:
 
 
 WIDTHS = {"small": 256, "medium": 512, "large": 768}  # 0.5, 2.1 and 4.7 MiB of weights
+#: What loading a model costs, in seconds (``cost=``). The broker demotes a model
+#: only while promoting it back is quicker than loading it again; these stand-in
+#: models build in milliseconds, as fast as a move, so they declare what a real
+#: checkpoint's load takes (a real model needs no ``cost=``: its load is measured).
+LOAD_SECONDS = 5.0
 
 
 async def main(budget: dict[str, int] | None = None) -> TieredTorch:
@@ -130,6 +135,7 @@ async def main(budget: dict[str, int] | None = None) -> TieredTorch:
                     load=functools.partial(plugin.load, name, width),
                     size={TOP: estimate(width)},  # reserved before the load runs
                     measure=plugin.measure,  # then corrected, after the load and every move
+                    cost=LOAD_SECONDS,
                 ) as lease:
                     model = lease.value
                     assert next(model.parameters()).device.type == DEVICES[TOP].split(":")[0]
