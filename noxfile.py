@@ -52,9 +52,11 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def torch(session: nox.Session) -> None:
-    """Run the PyTorch recipe with real torch.nn modules (too heavy for the default run)."""
-    session.install("-e", ".", "torch==2.13.0", "numpy")
+    """Run the PyTorch recipes with real torch.nn modules (too heavy for the default run)."""
+    session.install("-e", ".", "torch==2.13.0", "numpy", "pytest", "hypothesis", "trio", "uvloop")
     session.run("python", "docs/examples/torch_plugin.py")
+    session.run("python", "docs/examples/torch_tiers.py")
+    session.run("pytest", "-q", "tests/test_tiers_torch.py")
 
 
 @nox.session
