@@ -1112,8 +1112,8 @@ class Core:
                 self._rest(entry, now)
         elif entry.joiners:
             _moves.queue_promotion(self, entry, entry.home)
-        else:
-            self._rest(entry, now)
+        else:  # idle since its last lease ended, not since it moved
+            self._rest(entry, entry.idle_since)
         schedule(self)
 
     def move_failed(self, entry: Entry, error: BaseException) -> None:

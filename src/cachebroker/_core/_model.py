@@ -283,6 +283,9 @@ def _naming(error: BaseException, entry: Entry) -> BaseException:
         named.args = (f"{error} while acquiring {entry.owner.name}:{entry.key!r}",)
     except Exception:  # an exception that cannot be copied is given as it is
         return error
+    # (A copy keeps the instance's attributes, not the chain: the cause is the
+    # plugin's own exception, which its requesters need to see.)
+    named.__cause__, named.__suppress_context__ = error.__cause__, error.__suppress_context__
     return named
 
 

@@ -245,12 +245,13 @@ def give_up(books: Core, entry: Entry, reason: Reason = Reason.CAPACITY) -> None
 
 
 def cancel_demotion(books: Core, entry: Entry) -> None:
-    """A request for an entry whose demotion still waits for room: it stays where it is."""
+    """A request for an entry whose demotion still waits for room: it stays where it is
+    (ready, or, parked a tier down already, demoted: the request then promotes it)."""
     del books._demoting[entry]
     for name, amount in freed(entry).items():
         books.spaces[name].releasing -= amount
     entry.target = None
-    entry.state = State.READY
+    entry.state = State.READY if entry.home is None else State.DEMOTED
 
 
 def queue_promotion(books: Core, entry: Entry, need: dict[str, int] | None) -> None:

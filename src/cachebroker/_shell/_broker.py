@@ -349,7 +349,11 @@ class Broker:
         """
         self._runner.check_running()
         core = self._core
-        before = {entry for entry in core.entries() if entry.state is State.READY}
+        before = {
+            entry
+            for entry in core.entries()
+            if entry.state in (State.READY, State.DEMOTED, State.MOVING)
+        }
         core.clear()
         self._runner.apply()
         started = [entry for entry in before if entry.state is State.RELEASING]

@@ -54,6 +54,7 @@ from .._core import (
     State,
     Ticket,
 )
+from .._core._moves import freed
 from .._errors import (
     AcquireTimeout,
     BrokerClosed,
@@ -973,11 +974,16 @@ class Runner:
         task = self.current_task()
         self._releasing_tasks.add(task)  # (it may not wait for space: see request)
         try:
+            # As after a release: the bytes it leaves on a probed device must show.
+            going = freed(entry)
+            probed = {n: free for n, free in self._free_before(entry).items() if n in going}
             value = await cache.move(entry.key, entry.value, to)
             seconds = max(0.0, self.clock() - started)
             measured, error, fatal = self._measure(entry, slot, value, to)
             if error is not None:
                 raise error
+            if probed:
+                await self._wait_for_memory(entry, probed, going)
         except BaseException as exc:
             watchdog.cancel()
             fault = classify(exc)
@@ -1214,11 +1220,13 @@ class Runner:
         self._probe_ok.add(name)
         return reading
 
-    async def _wait_for_memory(self, entry: Entry, before: dict[str, int]) -> None:
-        """After a release on probed spaces, wait (bounded) for the device to show it."""
-        wanted = {
-            name: free + int(0.75 * entry.charge.get(name, 0)) for name, free in before.items()
-        }
+    async def _wait_for_memory(
+        self, entry: Entry, before: dict[str, int], amounts: Mapping[str, int] | None = None
+    ) -> None:
+        """After a release (or a move: ``amounts``, the bytes it frees) on probed spaces,
+        wait (bounded) for the device to show it."""
+        freeing = entry.charge if amounts is None else amounts
+        wanted = {name: free + int(0.75 * freeing.get(name, 0)) for name, free in before.items()}
         with anyio.move_on_after(self._memory_wait or 0):
             while True:
                 short: dict[str, int] = {}
@@ -1535,11 +1543,17 @@ def _waiting_for(entry: Entry) -> tuple[str | None, str]:
             f"a lease slot: concurrency={entry.slots}, {entry.leases} lease(s) held, "
             f"{len(entry.joiners)} request(s) waiting"
         )
+    need = ", ".join(f"{format_bytes(n)} in {name!r}" for name, n in entry.need.items())
+    if entry.state is State.MOVING:
+        if entry.promoting:
+            return "load", "its move back up from the lower tier"
+        return "load", "its move down a tier to end, then its move back up"
+    if entry.state is State.DEMOTED:
+        return "space", f"space ({need}) to move it back up from the lower tier"
     if entry.state is not State.WAITING:
         return None, f"the entry, which was {entry.state.value}"
     if entry.after is not None:
         return "release", "the release of the key's previous value"
-    need = ", ".join(f"{format_bytes(n)} in {name!r}" for name, n in entry.need.items())
     if entry.gated:
         return "space", "space, behind another load of unknown size (measured first)"
     return "space", f"space ({need})" if need else "space"

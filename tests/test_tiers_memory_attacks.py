@@ -4,8 +4,8 @@ Three that try hardest to break the broker: a chain of tiers where a value
 parked in the middle tier is asked for while its next demotion waits for
 room; a probed device whose allocator gives memory back late; and two tiers
 under random acquires, cancellations, invalidations, ``clear()`` and moves
-that fail half-way. Then the smaller corners they turned up. Bugs found are
-strict xfails, each naming what goes wrong.
+that fail half-way. Then the smaller corners they turned up, each named by
+what the broker must do.
 """
 
 from __future__ import annotations
@@ -95,16 +95,6 @@ class SlowRelease(Tiered):
 # -- 1. a chain of tiers: asked for while its next demotion waits for room --------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Core.request treats every entry in Core._demoting as one still in its home "
-        "tier: _moves.cancel_demotion sets it READY where it is. For an entry parked "
-        "in a middle tier (demoted gpu -> ram, now waiting to go ram -> disk) the "
-        "request is granted a lease on the value in 'ram', never promoted; the entry "
-        "stays READY charged in 'ram' with its home still set"
-    ),
-)
 async def test_a_value_in_a_middle_tier_is_promoted_even_while_its_next_demotion_waits() -> None:
     sizes = dict.fromkeys("abcd", 60 * KiB)
     async with pooled(
@@ -209,15 +199,6 @@ async def test_a_release_on_a_probed_space_waits_for_the_memory_to_show() -> Non
     assert await device_case(demote=False) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Runner._run_move never waits for probed memory (no _free_before / "
-        "_wait_for_memory as in _run_release): the bytes a demotion frees in a probed "
-        "space are granted as soon as move() returns, so a load there runs before the "
-        "device shows them free (memory_wait applies to releases only)"
-    ),
-)
 async def test_a_demotion_on_a_probed_space_waits_for_the_memory_to_show() -> None:
     assert await device_case(demote=True) == []
 
@@ -397,14 +378,6 @@ async def test_a_task_holding_the_room_its_promotion_needs_gets_deadlock_error()
         assert states(broker)["y"] == ("demoted", {"ram": 60 * KiB})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Broker.clear() collects only READY entries (before = ...State.READY) to wait "
-        "for and report: demoted entries are released too, but not waited for, and "
-        "missing from the EvictionReport"
-    ),
-)
 async def test_clear_waits_for_and_reports_demoted_entries() -> None:
     sizes = {"a": 60 * KiB, "b": 60 * KiB}
     async with tiered_broker(100 * KiB, 200 * KiB, sizes, release_timeout=None) as (
@@ -419,14 +392,6 @@ async def test_clear_waits_for_and_reports_demoted_entries() -> None:
         assert report == EvictionReport(entries=2, bytes=120 * KiB)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Broker.stats_nowait() counts entries holding memory as loading + ready + "
-        "releasing + quarantined: moving and demoted entries (charged, in entries()) "
-        "are left out of Stats.entries, and Stats has no count of them"
-    ),
-)
 async def test_stats_count_demoted_entries_among_those_holding_memory() -> None:
     sizes = {"a": 60 * KiB, "b": 60 * KiB}
     async with tiered_broker(100 * KiB, 200 * KiB, sizes) as (broker, cache, plugin):
@@ -437,14 +402,6 @@ async def test_stats_count_demoted_entries_among_those_holding_memory() -> None:
         assert stats.entries == len(await broker.entries()) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Core.move_done rests a demoted entry with _rest(entry, now): its idle clock "
-        "restarts at the demotion, so an entry idle for most of its idle TTL gets a "
-        "whole TTL more in the lower tier (Core.leave keeps entry.idle_since instead)"
-    ),
-)
 async def test_a_demotion_does_not_restart_the_idle_clock() -> None:
     now = [0.0]
     sizes = {"a": 60 * KiB, "b": 60 * KiB}
@@ -462,15 +419,6 @@ async def test_a_demotion_does_not_restart_the_idle_clock() -> None:
         assert report.entries == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Core.move_failed gives requesters _naming(error, entry), a copy.copy of the "
-        "ReleaseFailed: the copy loses __cause__, so a requester of a failed promotion "
-        "cannot reach the exception the plugin's move raised (a failed load's "
-        "requesters get theirs chained)"
-    ),
-)
 async def test_a_failed_promotion_chains_the_moves_exception_to_its_requesters() -> None:
     sizes = {"a": 60 * KiB, "b": 60 * KiB}
     async with tiered_broker(100 * KiB, 200 * KiB, sizes) as (broker, cache, plugin):
@@ -490,15 +438,6 @@ async def test_a_failed_promotion_chains_the_moves_exception_to_its_requesters()
         assert MoveError in chain, chain
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Runner's _waiting_for knows waiting, loading and ready entries only: a "
-        "request waiting for its promotion's room (a demoted entry in the queue) "
-        "times out with waiting_for=None and 'waiting for the entry, which was "
-        "demoted', where it waited for space"
-    ),
-)
 async def test_a_timeout_waiting_for_a_promotions_room_says_space() -> None:
     sizes = {"x": 60 * KiB, "y": 60 * KiB}
     async with tiered_broker(100 * KiB, 200 * KiB, sizes) as (_, cache, plugin):
