@@ -977,7 +977,11 @@ class Runner:
             # As after a release: the bytes it leaves on a probed device must show.
             going = freed(entry)
             probed = {n: free for n, free in self._free_before(entry).items() if n in going}
-            value = await cache.move(entry.key, entry.value, to)
+            # The owner's copy is the only one while it moves (so that what it
+            # frees is free); the books hold the value again once it is back.
+            moved, entry.value = entry.value, None
+            value = await cache.move(entry.key, moved, to)
+            del moved
             seconds = max(0.0, self.clock() - started)
             measured, error, fatal = self._measure(entry, slot, value, to)
             if error is not None:
@@ -1045,7 +1049,11 @@ class Runner:
 
     async def _released(self, cache: Block, entry: Entry) -> None:
         """Run the releaser; warn if one of its steps blocked the event loop too long."""
-        release = cache.release(entry.key, entry.value)
+        # The releaser holds the only reference from here: a ``del`` and an
+        # allocator flush in ``release`` free the memory before it returns.
+        value, entry.value = entry.value, None
+        release = cache.release(entry.key, value)
+        del value
         limit = self._blocking_warning
         if limit is None or not inspect.iscoroutine(release):
             await release
