@@ -260,6 +260,7 @@ def queue_promotion(books: Core, entry: Entry, need: dict[str, int] | None) -> N
     books._leave_idle(entry)
     assert need is not None
     entry.need = dict(need)
+    entry.holding = 0  # (its requesters of an earlier promotion are all served)
     books._enqueue(entry)
 
 

@@ -983,9 +983,9 @@ class Runner:
             value = await cache.move(entry.key, moved, to)
             del moved
             seconds = max(0.0, self.clock() - started)
-            measured, error, fatal = self._measure(entry, slot, value, to)
-            if error is not None:
-                raise error
+            # A size callable that cannot measure the moved form (one made for
+            # what the loader returns) leaves the charge as moved.
+            measured, _, fatal = self._measure(entry, slot, value, to)
             if probed:
                 await self._wait_for_memory(entry, probed, going)
         except BaseException as exc:
@@ -1006,7 +1006,10 @@ class Runner:
             if not self._releasing_tasks:
                 self._releasing_tasks.clear()
         watchdog.cancel()
-        if slot.timed_out:  # booked as failed already; the value it returns is lost
+        if slot.timed_out:  # quarantined already: free what came back, as a late release
+            await self._release_late_move(cache, entry, value)
+            if fatal is not None:
+                raise fatal
             return
         up = entry.promoting
         slot.moving_to = None
@@ -1027,6 +1030,33 @@ class Runner:
         if fatal is not None:
             raise fatal
 
+    async def _release_late_move(self, cache: Block, entry: Entry, value: Any) -> None:
+        """A move that ended after ``release_timeout`` quarantined it: release the value it
+        returned through the owner; acknowledged, both charges come back (``release_done``)."""
+        slot: _Slot = entry.shell
+        slot.released = anyio.Event()
+        entry.value = value
+        try:
+            await self._released(cache, entry)
+        except BaseException as exc:
+            if classify(exc) is not Fault.FAILED:
+                raise
+            return  # the quarantine stands
+        finally:
+            slot.released.set()
+        bytes_ = dict(entry.charge)
+        self.core.release_done(entry)
+        self.emit(
+            "info",
+            ev.RELEASE_FREED,
+            cache=cache.name,
+            key=entry.key,
+            bytes=bytes_,
+            late=True,
+            seconds=self._since(slot.release_started),
+        )
+        self.apply()
+
     def _move_failed(self, entry: Entry, failure: BaseException) -> None:
         """Book a failed move: quarantined with both charges (logged by ``Quarantined``)."""
         self.core.move_failed(entry, failure)
@@ -1037,8 +1067,7 @@ class Runner:
     ) -> None:
         with scope:
             await anyio.sleep(timeout)
-            entry.shell.timed_out = True
-            self.release_timeouts += 1
+            entry.shell.timed_out = True  # (counted in moves_failed, not release_timeouts)
             self._move_failed(
                 entry,
                 ReleaseFailed(
@@ -1314,14 +1343,15 @@ class Runner:
         entry = ticket.entry
         if ticket.outcome is None and task in self._releasing_tasks:
             for_slot = entry.state is State.READY
-            if entry.state is State.WAITING or for_slot:
+            moving = entry.state in (State.MOVING, State.DEMOTED)
+            if entry.state is State.WAITING or for_slot or moving:
                 core.leave(ticket)
                 self.apply()
                 raise DeadlockError(
-                    f"acquiring {name}:{key!r} from inside a release would wait for "
-                    + ("a lease slot" if for_slot else "space")
-                    + ", and that may be waiting for this very release; a releaser may "
-                    "only acquire what is loaded (with a free lease slot) or fits at once",
+                    f"acquiring {name}:{key!r} from inside a release or a move would wait for "
+                    + ("a lease slot" if for_slot else "a move" if moving else "space")
+                    + ", and that may be waiting for this very release or move; a releaser "
+                    "may only acquire what is loaded (with a free lease slot) or fits at once",
                     [],
                 )
         if ticket.outcome is True:
