@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -39,7 +40,7 @@ from cachebroker import (
     OutOfSpace,
     ReleaseFailed,
 )
-from cachebroker._core import State
+from cachebroker._core import State, check_after_every_step
 from cachebroker.sizes import measured
 from tests.harness import Harness
 
@@ -371,6 +372,82 @@ async def test_the_last_requester_of_a_queued_promotion_leaving_leaves_it_demote
             check(broker)
         assert await use(cache, "a") == "a@gpu"  # and it can still come back
         assert mover.releases() == [] and broker.stats_nowait().loads == 2
+        check(broker)
+
+
+@pytest.mark.anyio
+async def test_the_only_requester_of_a_promotion_in_flight_cancelled_leaves_it_ready() -> None:
+    mover = Mover()
+    async with (
+        Broker({"gpu": 100, "ram": 200}, tiers=TIERS) as broker,
+        broker.cache("m", mover) as cache,
+    ):
+        await demoted(broker, cache)
+        mover.gate = anyio.Event()
+        mover.gate_for = ("a", "gpu")
+        scope = anyio.CancelScope()
+
+        async def cancelled() -> None:
+            with scope:
+                await use(cache, "a")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancelled)
+            assert await wait_until(lambda: ("a", "gpu") in mover.moves())
+            scope.cancel()
+            await anyio.lowlevel.checkpoint()
+            assert states(broker)["a"][0] == "moving"
+            mover.gate.set()
+        assert scope.cancelled_caught
+        assert await wait_until(lambda: states(broker)["a"] == ("ready", {"gpu": 60}))
+        stats = broker.stats_nowait()
+        assert stats.leased == 0 and stats.used == {"gpu": 60, "ram": 60}
+        assert await use(cache, "a") == "a@gpu" and stats.loads == 2
+        check(broker)
+
+
+@pytest.mark.anyio
+async def test_a_prefetch_promotes_a_demoted_entry_without_keeping_a_lease() -> None:
+    mover = Mover()
+    async with (
+        Broker({"gpu": 100, "ram": 200}, tiers=TIERS) as broker,
+        broker.cache("m", mover) as cache,
+    ):
+        await demoted(broker, cache)
+        hits = broker.stats_nowait().hits
+        await cache.prefetch("a", load=loader("a"), size=GPU60)
+        assert states(broker)["a"] == ("ready", {"gpu": 60})
+        stats = broker.stats_nowait()
+        assert stats.leased == 0 and stats.hits == hits and stats.loads == 2
+        check(broker)
+
+
+@pytest.mark.anyio
+async def test_closing_the_cache_fails_a_queued_promotion_and_releases_the_value() -> None:
+    mover = Mover()
+    failures: list[BaseException] = []
+    async with Broker(BUDGET, tiers=TIERS) as broker:
+        async with anyio.create_task_group() as tg:
+            async with broker.cache("m", mover) as cache:
+                await demoted(broker, cache)
+                holder = await cache.acquire("b", load=loader("b"), size=GPU60, cost=10.0)
+
+                async def waiter() -> None:
+                    try:
+                        await use(cache, "a")
+                    except BrokerClosed as exc:
+                        failures.append(exc)
+
+                async def let_go_once_closing() -> None:
+                    assert await wait_until(lambda: cache._owner.closing)
+                    await holder.release()
+
+                tg.start_soon(waiter)
+                assert await wait_until(lambda: broker.stats_nowait().waiting == 1)
+                tg.start_soon(let_go_once_closing)
+        assert len(failures) == 1 and "m:'a'" in str(failures[0])
+        assert broker.stats_nowait().used == {"gpu": 0, "ram": 0}
+        assert sorted(mover.releases()) == [("a", "a@ram"), ("b", "b@gpu")]
         check(broker)
 
 
@@ -889,7 +966,8 @@ async def test_a_value_measured_at_load_time_can_still_be_moved() -> None:
     async with Broker(BUDGET, tiers=TIERS) as broker, broker.cache("m", mover) as cache:
         async with cache.acquire("a", load=load, size=GPU60, measure=measure, cost=10):
             pass
-        await use(cache, "b")
+        with contextlib.suppress(BrokerError):  # (b cannot fit beside a quarantined a)
+            await use(cache, "b")
         assert states(broker)["a"] == ("demoted", {"ram": 60})
 
 
@@ -1122,3 +1200,91 @@ def test_a_prefetch_of_an_entry_whose_demotion_waits_counts_no_request() -> None
     if ticket is not None:
         h.end(ticket)
     assert h.core.tick == tick, "a prefetch counted as a request"
+
+
+# -- many clients at once -----------------------------------------------------------
+
+
+class Flaky(Mover):
+    """Moves and releases that take a few checkpoints, and sometimes fail."""
+
+    def __init__(self, rng: random.Random, fail: float) -> None:
+        super().__init__()
+        self.rng = rng
+        self.failure = fail
+
+    async def _steps(self) -> None:
+        for _ in range(self.rng.randrange(4)):
+            await anyio.lowlevel.checkpoint()
+
+    async def release(self, key: Hashable, value: Any) -> None:
+        self.log.append(("release", key, value))
+        await self._steps()
+        if self.rng.random() < self.failure:
+            raise RuntimeError(f"release of {key!r} failed")
+
+    async def move(self, key: Hashable, value: Any, to: str) -> Any:
+        self.log.append(("move", key, value, to))
+        await self._steps()
+        if self.rng.random() < self.failure:
+            raise RuntimeError(f"move of {key!r} failed")
+        return f"{str(value).split('@')[0]}@{to}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.anyio
+async def test_many_clients_keep_the_books_through_moves_failures_and_cancellations(
+    seed: int,
+) -> None:
+    """Clients acquire random keys (some sized in ram), some time out or are cancelled,
+    and the releaser's moves and releases sometimes fail; the books are checked after
+    every step, every value a lease shows is in the space its entry is charged in,
+    and once the caches close and the quarantined entries are forgotten, all is zero."""
+    rng = random.Random(seed)
+    mover = Flaky(rng, fail=0.05)
+    violations: list[str] = []
+    chain = {"gpu": "ram", "ram": "disk"}
+    broker = Broker({"gpu": 100, "ram": 120, "disk": 150}, tiers=chain, release_timeout=5)
+    check_after_every_step(broker._core, violations)
+    sizes = {f"k{i}": rng.choice([{"gpu": 30}, {"gpu": 50}, {"ram": 40}]) for i in range(8)}
+    seen: list[str] = []
+    async with broker:
+        async with broker.cache("m", mover) as cache:
+
+            async def client(n: int) -> None:
+                for _ in range(25):
+                    key = rng.choice(sorted(sizes))
+                    timeout = rng.choice([None, None, 0.5])
+                    scope = anyio.CancelScope()
+                    if rng.random() < 0.1:
+                        scope.cancel()
+                    with scope, contextlib.suppress(BrokerError):
+                        async with cache.acquire(
+                            key,
+                            load=loader(key, next(iter(sizes[key]))),
+                            size=sizes[key],
+                            cost=10.0,
+                            timeout=timeout,
+                        ) as lease:
+                            where = str(lease.value).split("@")[1]
+                            assert lease._entry is not None
+                            charge = lease._entry.charge
+                            if where not in charge:
+                                seen.append(f"{key}: {lease.value} charged {charge}")
+                            for _ in range(rng.randrange(3)):
+                                await anyio.lowlevel.checkpoint()
+                    if rng.random() < 0.05:
+                        for quarantined in list(broker._core.quarantined):
+                            await broker.forget("m", quarantined.key)
+
+            with anyio.fail_after(60):  # (a hang guard, not a timing)
+                async with anyio.create_task_group() as tg:
+                    for n in range(6):
+                        tg.start_soon(client, n)
+            assert not violations, violations[:3]
+            assert not seen, seen[:3]
+        for quarantined in list(broker._core.quarantined):
+            await broker.forget("m", quarantined.key)
+        assert broker.stats_nowait().used == {"gpu": 0, "ram": 0, "disk": 0}
+        assert not violations, violations[:3]
+    assert broker._core.demotions > 0 and broker._core.promotions > 0

@@ -266,8 +266,7 @@ class TiersMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.h is not None and self.held)
     @rule(data=st.data())
     def end(self, data: st.DataObject) -> None:
-        ticket = data.draw(st.sampled_from(self.held))
-        self.held.remove(ticket)
+        ticket = self.held.pop(data.draw(st.integers(0, len(self.held) - 1), label="lease"))
         note(f"end {ticket.entry!r} task={ticket.task}")
         self.harness.end(ticket)
         self._collect()
@@ -280,8 +279,7 @@ class TiersMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.h is not None and self.pending)
     @rule(data=st.data())
     def leave(self, data: st.DataObject) -> None:
-        ticket = data.draw(st.sampled_from(self.pending))
-        self.pending.remove(ticket)
+        ticket = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1), label="ticket"))
         entry = ticket.entry
         state = entry.state
         note(f"leave {entry!r} task={ticket.task}")
@@ -290,8 +288,10 @@ class TiersMachine(RuleBasedStateMachine):
         if state is State.DEMOTED and not entry.joiners:
             # Nobody waits for its promotion any more: it stays demoted (idle, unless
             # evicted from the lower tier at once), and nothing loads or moves it up.
-            assert entry not in self.harness.core.queue and not entry.promoting, entry
-            assert len(self.harness.loading) == loads, entry
+            assert entry not in self.harness.core.queue, entry
+            assert entry.state is not State.MOVING or not entry.promoting, entry
+            started = [e for e in self.harness.loading[loads:] if e.key == entry.key]
+            assert not started or entry.owner is not started[0].owner, (entry, started)
         self._collect()
 
     # -- loads, releases, moves ------------------------------------------------------
