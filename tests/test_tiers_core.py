@@ -824,10 +824,10 @@ def test_an_idle_demoted_entry_expires_from_the_lower_tier() -> None:
     a = loaded(h, "a", {"gpu": 60})
     b = h.acquire("b", {"gpu": 60}, task="B")
     h.now = 1.0
-    h.move(a)  # a rests in ram from its demotion
+    h.move(a)  # idle in ram since its lease ended at 0
     h.finish(b.entry)
     h.end(b)
-    assert h.core.next_expiry() == 6.0
+    assert h.core.next_expiry() == 5.0
     h.now = 6.0
     assert h.core.sweep(h.now) == [a, b.entry]
     assert a.state is State.RELEASING and a.charge == {"ram": 60}

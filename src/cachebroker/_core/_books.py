@@ -645,11 +645,8 @@ class Core:
             entry = owner.entries.get(key)
             if entry is not None and entry.state is State.RELEASING:
                 entry = entry.successor
-            if entry is not None and entry in self._demoting and entry.home is None:
-                # Loaded where it was: it stays there, idle (its move down is off).
-                _moves.cancel_demotion(self, entry)
-                self._rest(entry, entry.idle_since)
-                schedule(self)
+            if entry is not None and entry in self._demoting:
+                return None  # loaded; the policy's move down a tier stands
             if entry is not None and entry.state is State.READY:
                 if priority is not None:
                     self.limit(entry, priority=priority)
