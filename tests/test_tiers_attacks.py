@@ -11,6 +11,7 @@ books driven directly for what the shell cannot reach on demand.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -213,6 +214,24 @@ async def test_a_releaser_without_move_is_never_asked_to_move() -> None:
         await use(cache, "b")
         assert released == ["a"] and states(broker) == {"b": ("ready", {"gpu": 60})}
         assert broker.stats_nowait().used == {"gpu": 60, "ram": 0}
+
+
+@pytest.mark.anyio
+async def test_a_releaser_whose_move_is_none_is_never_asked_to_move() -> None:
+    class NoMove:
+        move = None
+
+        def __init__(self) -> None:
+            self.released: list[Hashable] = []
+
+        async def release(self, key: Hashable, value: Any) -> None:
+            self.released.append(key)
+
+    releaser = NoMove()
+    async with Broker(BUDGET, tiers=TIERS) as broker, broker.cache("m", releaser) as cache:
+        await use(cache, "a")
+        await use(cache, "b")
+        assert releaser.released == ["a"] and broker.stats_nowait().used["ram"] == 0
 
 
 @pytest.mark.anyio
@@ -497,12 +516,12 @@ async def test_a_move_that_raises_quarantines_with_both_charges_and_fails_its_wa
 async def test_a_move_raising_a_cancellation_of_its_own_quarantines(
     anyio_backend: tuple[str, dict[str, Any]],
 ) -> None:
-    if anyio_backend[0] == "trio":
-        pytest.skip("trio's Cancelled cannot be raised by hand")
     mover = Mover()
     async with Broker(BUDGET, tiers=TIERS) as broker, broker.cache("m", mover) as cache:
         await use(cache, "a")
-        mover.fail = lambda: anyio.get_cancelled_exc_class()()
+        # (trio's Cancelled cannot be raised by hand: there, asyncio's, a foreign one)
+        own = anyio_backend[0] != "trio"
+        mover.fail = anyio.get_cancelled_exc_class() if own else asyncio.CancelledError
         with pytest.raises(BrokerError):
             await use(cache, "b")  # a's bytes are quarantined: b can never fit
         assert states(broker)["a"] == ("quarantined", {"gpu": 60, "ram": 60})
@@ -564,6 +583,21 @@ async def test_a_move_returning_after_its_timeout_has_its_value_released() -> No
 
 
 @pytest.mark.anyio
+async def test_a_timed_out_move_keeps_the_release_counters_consistent() -> None:
+    mover = Mover()
+    async with (
+        Broker(BUDGET, tiers=TIERS, release_timeout=0.05) as broker,
+        broker.cache("m", mover) as cache,
+    ):
+        await use(cache, "a")
+        mover.gate = anyio.Event()  # never set
+        with pytest.raises(OutOfSpace):
+            await use(cache, "b")
+        stats = broker.stats_nowait()
+        assert stats.releases_timed_out <= stats.releases_failed, stats
+
+
+@pytest.mark.anyio
 async def test_an_acquire_timing_out_on_a_move_in_flight_names_the_key() -> None:
     mover = Mover()
     async with Broker(BUDGET, tiers=TIERS) as broker, broker.cache("m", mover) as cache:
@@ -621,6 +655,28 @@ async def test_a_move_that_acquires_a_ready_key_of_its_cache_gets_it() -> None:
         mover.during = during
         await use(cache, "b")
         assert inner == ["table@gpu"] and states(broker)["a"] == ("demoted", {"ram": 60})
+        check(broker)
+
+
+@pytest.mark.anyio
+async def test_a_move_that_acquires_a_key_needing_room_is_refused_at_once() -> None:
+    mover = Mover()
+    inner: list[BaseException] = []
+    async with Broker(BUDGET, tiers=TIERS) as broker, broker.cache("m", mover) as cache:
+
+        async def during(key: Hashable, to: str) -> None:
+            if key == "a":
+                try:
+                    await use(cache, "big", {"gpu": 60})
+                except BrokerError as exc:
+                    inner.append(exc)
+
+        await use(cache, "a")
+        mover.during = during
+        with anyio.fail_after(5):  # (a hang guard, not a timing)
+            assert await use(cache, "b") == "b@gpu"
+        assert len(inner) == 1 and isinstance(inner[0], DeadlockError), inner
+        assert states(broker)["a"] == ("demoted", {"ram": 60})
         check(broker)
 
 
@@ -1040,33 +1096,53 @@ def settle(h: Harness) -> None:
             h.ack(h.releasing[0])
 
 
+def test_a_request_for_a_demoted_entry_waiting_to_go_further_down_promotes_it() -> None:
+    chain = {"gpu": "ram", "ram": "disk"}
+    h = Harness({"gpu": 100, "ram": 100, "disk": 100}, tiers=chain, moves=True)
+    for key, size in [("r", {"disk": 80}), ("a", GPU60), ("b", GPU60)]:
+        ticket = h.acquire(key, size, task=key.upper())
+        settle(h)
+        h.end(ticket)
+    (a,) = [e for e in h.core.entries() if e.key == "a"]
+    assert a.state is State.DEMOTED and a.charge == {"ram": 60}
+    h.acquire("x", {"ram": 60}, task="X")  # a must go to disk, once r's release ends
+    assert a in h.core._demoting
+    again = h.acquire("a", GPU60, task="A2")
+    h.core.check()
+    assert again.outcome is None or a.charge == {"gpu": 60}, (a, a.charge, a.value)
+    settle(h)
+    assert again.outcome is True and a.value.endswith("@gpu"), (a.charge, a.value)
+
+
 def test_a_promotion_forgets_its_lease_holding_requesters() -> None:
     h = Harness({"gpu": 100, "ram": 150}, tiers=TIERS, moves=True)
     a = h.acquire("a", GPU60, task="A")
     settle(h)
     h.end(a)
-    held = h.acquire("x", {"gpu": 30}, task="H")
+    h.acquire("x", {"gpu": 30}, task="H")  # H holds x in gpu for good
     settle(h)
     b = h.acquire("b", {"gpu": 40}, task="B")
     settle(h)
     h.end(b)
     assert a.entry.state is State.DEMOTED
-    again = h.acquire("a", GPU60, task="H")  # H holds x in gpu: its request "holds"
+    again = h.acquire("a", GPU60, task="H")  # H holds a lease in gpu: a "holding" request
     settle(h)
     assert again.outcome is True
     h.end(again)
     c = h.acquire("c", {"gpu": 70}, task="C")  # a goes down again
     settle(h)
+    h.end(c)
     assert a.entry.state is State.DEMOTED
-    # A leased gpu: a request that holds nothing waits behind w, which needs x's bytes.
-    w = h.acquire("w", {"gpu": 70}, task="W")
+    # w waits for room that only H's lease can free: gpu is blocked for those behind it.
+    w = h.acquire("w", {"gpu": 80}, task="W")
     assert w.outcome is None
-    late = h.acquire("a", GPU60, task="D")
-    h.core.check()
-    assert late.outcome is None and a.entry in h.core.queue and not h.moving, (
-        "a request holding no lease overtook an earlier waiter of its space"
+    late = h.acquire("a", GPU60, task="D")  # D holds nothing: it waits behind w
+    assert late.outcome is None and not h.releasing and not h.moving, (
+        "a request holding no lease passed an earlier waiter of its space",
+        h.releasing,
+        h.moving,
     )
-    del held, c
+    h.core.check()
 
 
 def merged_mid_move() -> tuple[Harness, Any, Any]:
@@ -1100,6 +1176,20 @@ def test_a_demoted_entry_comes_back_after_its_tiers_merge() -> None:
     settle(h)
     assert ticket.outcome is True, (a, list(h.core.queue))
     h.core.check()
+
+
+def test_a_request_joining_a_demotion_counts_as_the_miss_it_is() -> None:
+    h = Harness({"gpu": 100, "ram": 150}, tiers=TIERS, moves=True)
+    a = h.acquire("a", GPU60, task="A")
+    settle(h)
+    h.end(a)
+    h.acquire("b", GPU60, task="B")  # a goes down
+    assert a.entry.state is State.MOVING
+    misses = h.core.misses
+    joined = h.acquire("a", GPU60, task="J")
+    settle(h)
+    assert joined.outcome is None and a.entry in h.core.queue  # it waits for a promotion
+    assert h.core.misses == misses + 1
 
 
 def test_a_prefetch_of_an_entry_whose_demotion_waits_counts_no_request() -> None:
@@ -1207,3 +1297,48 @@ async def test_many_clients_keep_the_books_through_moves_failures_and_cancellati
         assert broker.stats_nowait().used == {"gpu": 0, "ram": 0, "disk": 0}
         assert not violations, violations[:3]
     assert broker._core.demotions > 0 and broker._core.promotions > 0
+
+
+# -- process-level exceptions --------------------------------------------------------
+
+
+class Meltdown(BaseException):
+    """A process-level exception of the application's own."""
+
+
+def meltdown_run(anyio_backend: tuple[str, dict[str, Any]], mover: Mover, **acquire: Any) -> Broker:
+    """Load ``a``, then have it demoted by ``b``: ``Meltdown`` must come out of the block."""
+    broker = Broker(BUDGET, tiers=TIERS)
+
+    async def main() -> None:
+        with anyio.fail_after(5):  # (a hang guard, not a timing)
+            async with broker, broker.cache("m", mover) as cache:
+                async with cache.acquire("a", load=loader("a"), cost=10.0, **acquire):
+                    pass
+                with contextlib.suppress(BrokerError):
+                    await use(cache, "b")
+
+    backend, options = anyio_backend
+    with pytest.raises(Meltdown):
+        anyio.run(main, backend=backend, backend_options=options)
+    return broker
+
+
+def test_a_process_level_exception_from_a_move_propagates(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    mover = Mover()
+    mover.fail = Meltdown
+    broker = meltdown_run(anyio_backend, mover, size=GPU60)
+    assert broker.stats_nowait().quarantined_keys == (("m", "a"),)
+
+
+def test_a_process_level_exception_from_measuring_a_moved_value_propagates(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    def weigh(value: str) -> dict[str, int]:
+        if value.endswith("@ram"):
+            raise Meltdown
+        return GPU60
+
+    meltdown_run(anyio_backend, Mover(), size=GPU60, measure=weigh)
