@@ -445,18 +445,6 @@ def idle(h: Harness, key: str, need: Mapping[str, int], *, cost: float | None = 
     h.end(ticket)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Core.request/_scheduler._place: a placed request's ticket.holds is computed "
-        "against its first kept place only, and _place leaves out every place blocked by "
-        "an earlier waiter even when the requesting task holds a lease there. Task T "
-        "holds a lease in gpu1 that waiter W needs; T's placed request (gpu0, gpu1) "
-        "would be granted in gpu1 at once (as spaces=['gpu1'] is: holders pass), but it "
-        "is put in gpu0 behind V's lease, while V waits behind W in gpu1: a deadlock no "
-        "DeadlockError reports"
-    ),
-)
 def test_a_placed_request_passes_like_a_holder_in_the_space_of_its_tasks_lease() -> None:
     h = gpus()
     held(h, "mine", {"gpu1": 20}, "T")
@@ -489,16 +477,6 @@ def _quarantine(h: Harness, ticket: Ticket) -> None:
     assert ticket.entry.state is State.QUARANTINED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "_scheduler._place: when quarantine makes the chosen place too small while every "
-        "other place is blocked by an earlier waiter, open_places is empty and _place "
-        "falls back to places[0], the unattainable one; schedule then refuses the request "
-        "with OutOfSpace although gpu1 can still hold it (it only waits its turn there). "
-        "Unattainable places should be dropped, the fallback being the first attainable one"
-    ),
-)
 def test_a_place_quarantine_made_too_small_is_dropped_not_the_request() -> None:
     h = gpus()
     doomed = held(h, "q", {"gpu0": 50}, "Q")
@@ -513,16 +491,6 @@ def test_a_place_quarantine_made_too_small_is_dropped_not_the_request() -> None:
     assert ticket.entry.need == {"gpu1": 60}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "_scheduler.refuse_self_waits checks a placed waiter against its current place "
-        "only (entry.need): when quarantine leaves its own lease the only room in gpu0, "
-        "the holder's request is refused with DeadlockError although gpu1, where it holds "
-        "nothing, can still serve it once another task's lease ends. It should be "
-        "re-placed among the places left (refused only when none is left)"
-    ),
-)
 def test_a_holder_is_not_refused_for_one_place_while_another_can_serve_it() -> None:
     h = gpus()
     held(h, "y", {"gpu0": 40}, "T")
@@ -581,14 +549,6 @@ def test_weighing_the_places_does_not_age_gdsf() -> None:
     assert clocks[0] == clocks[1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "_scheduler._place compares places by (reload seconds, bytes evicted): with equal "
-        "reload seconds the place whose victims hold fewer bytes wins, so a tie goes to "
-        "gpu1, not to the earlier gpu0 as docs/memory.md and the docstring say"
-    ),
-)
 def test_a_tie_in_reload_seconds_goes_to_the_earlier_space() -> None:
     h = gpus()
     idle(h, "a", {"gpu0": 80}, cost=5.0)
@@ -736,17 +696,6 @@ def test_a_demoted_value_comes_back_among_all_the_spaces_it_was_asked_for() -> N
     assert again.outcome is True and a.charge == {"gpu0": 60}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "_moves._plan/_displaced: an idle entry charged in a tiered space and in its lower "
-        "tier (size={'gpu0': 24, 'ram': 24}) is demoted when gpu0 is short; the lower "
-        "tier's policy picks the entry itself among the victims that make room in ram, "
-        "so evict_one releases it and then demotes it too: gpu0's releasing is counted "
-        "twice (48 of a 24-byte charge) and Core.check() fails (_displaced should leave "
-        "out the entry being demoted)"
-    ),
-)
 def test_an_entry_charged_in_its_lower_tier_too_is_not_its_own_victim_there() -> None:
     h = Harness({"gpu0": 100, "ram": 120}, tiers={"gpu0": "ram"}, moves=True)
     b = h.acquire("b", {"gpu0": 24, "ram": 24})
@@ -811,16 +760,6 @@ async def both_gpus_held(cache: Any) -> AsyncIterator[None]:
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Runner._start_load tells the loader next(iter(entry.charge)), a canonical space "
-        "name: with aliases (Broker(aliases=[['gpu', 'cuda:0']])), an acquire with "
-        "spaces=['cuda:0', 'cuda:1'] has its loader called with 'gpu', a name it never "
-        "gave (torch.device('gpu') would fail). The loader should be told the name it "
-        "gave for the chosen space"
-    ),
-)
 async def test_the_loader_is_told_one_of_the_names_it_gave_when_spaces_are_aliases() -> None:
     seen: list[str] = []
     budget = {"gpu": "10GiB", "cuda:0": "10GiB", "cuda:1": "10GiB"}
@@ -853,14 +792,6 @@ async def test_a_loader_that_takes_no_space_fails_the_acquire_with_its_type_erro
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Cache.acquire checks load before spaces and says 'load must be a callable taking "
-        "no argument' even when spaces= is given, where the loader must take the chosen "
-        "space's name"
-    ),
-)
 async def test_a_bad_loader_with_spaces_is_told_it_must_take_the_space() -> None:
     async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
         not_callable: Any = 42
@@ -894,15 +825,6 @@ class Bytes(int):
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Cache._check_places tests size.__class__ against {int, str}: a size that size= "
-        "takes everywhere else (an int subclass, a float) is refused with spaces= as "
-        "InvalidArgument 'size must be ... as bytes ..., got 10'; it should be parsed as "
-        "parse_bytes parses it"
-    ),
-)
 async def test_spaces_take_the_sizes_size_takes_without_them() -> None:
     async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
         async with cache.acquire("a", load=lambda: "A", size={"cuda:0": Bytes(10)}):
@@ -927,15 +849,6 @@ async def test_a_placed_request_that_times_out_says_it_waited_for_space() -> Non
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "runner._waiting_for names entry.need, the place chosen in the last scheduling "
-        "pass: a placed request served nowhere, waiting in cuda:0 and cuda:1 alike, "
-        "times out with 'waiting for space (6 GiB in 'cuda:0')', as if cuda:1 were not "
-        "among its spaces"
-    ),
-)
 async def test_a_placed_request_that_times_out_names_every_space_it_waited_for() -> None:
     async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
         async with both_gpus_held(cache):
@@ -1102,15 +1015,6 @@ async def test_a_connected_broker_refuses_spaces_for_a_load_and_a_prefetch() -> 
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Runner._check_placement runs only on the slow path (Runner.request/prefetch): on a "
-        "broker connected to 'cachebroker serve', acquire(spaces=...) of a key already "
-        "loaded takes Lease.__await__'s hit path and succeeds, and the same code raises "
-        "InvalidArgument once the key is evicted (a prefetch of the loaded key is refused)"
-    ),
-)
 async def test_a_connected_broker_refuses_spaces_on_a_hit_too() -> None:
     refused: BaseException | None = None
     async with (
@@ -1120,11 +1024,9 @@ async def test_a_connected_broker_refuses_spaces_on_a_hit_too() -> None:
     ):
         async with cache.acquire("a", load=lambda: "A", size={"cuda:1": 10}):
             pass
-        lease = cache.acquire("a", load=told([]), size=10, spaces=["cuda:1"])
-        try:
-            await lease
+        try:  # (refused when the acquire is made, as a bad argument is)
+            cache.acquire("a", load=told([]), size=10, spaces=["cuda:1"])
         except InvalidArgument as exc:
             refused = exc
-        await lease.release()
     # (Asserted outside the daemon's task group, which would wrap the failure.)
     assert isinstance(refused, InvalidArgument) and "spaces=" in str(refused)

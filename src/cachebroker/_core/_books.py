@@ -520,7 +520,9 @@ class Core:
             if places is not None:
                 places, need = self._placeable(owner, key, places, need, task, held)
             self._check_fit(owner, key, need)
-            mine = self._leased_by(task, need, queued=bool(self.queue), held=held)
+            # (A placed request holds leases where any of its places lies.)
+            spread = need if places is None else dict.fromkeys(places, sum(need.values()))
+            mine = self._leased_by(task, spread, queued=bool(self.queue), held=held)
             self._check_deadlock(owner, key, need, mine)
             urgent = unknown and (urgent or bool(loading) or self._holds_any(task))
             entry = self._create(

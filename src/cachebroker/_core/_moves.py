@@ -191,8 +191,8 @@ def _displaced(
             books._busy(parked)
         if books._remove is not None:
             books._remove(parked)
-    if any(victim is parked for victim in chosen):
-        return None
+    if any(victim is parked or victim is entry for victim in chosen):
+        return None  # (charged in the lower tier too: the policy would drop it there)
     victims = [v for v in chosen if isinstance(v, Entry) and v.idle_seq and not v.leases]
     if sum(v.charge.get(lower, 0) for v in victims) < short:
         return None

@@ -171,11 +171,12 @@ def _place(
     """
     amount = sum(entry.need.values())
     spaces = books.spaces
+    attainable = [name for name in entry.places or () if amount <= spaces[name].attainable]
+    # (Requests of lease holders pass blocked spaces: see ``schedule``.)
     open_places = [
         name
-        for name in entry.places or ()
-        if amount <= spaces[name].attainable
-        and not (name in blocked and entry.priority <= blocked[name])
+        for name in attainable
+        if entry.holding or not (name in blocked and entry.priority <= blocked[name])
     ]
     room: str | None = None
     for name in open_places:
@@ -189,7 +190,7 @@ def _place(
     if room is not None:
         entry.need = {room: amount}
         return
-    cheapest: tuple[float, int] | None = None
+    cheapest: float | None = None
     priorities = books._priorities
     for name in open_places:
         space = spaces[name]
@@ -204,12 +205,12 @@ def _place(
         )
         if sum(v.charge.get(name, 0) for v in victims) < short:
             continue
-        price = (sum(v.cost for v in victims), sum(v.charge.get(name, 0) for v in victims))
+        price = sum(v.cost for v in victims)
         if cheapest is None or price < cheapest:
             cheapest = price
             entry.need = {name: amount}
-    if cheapest is None:
-        first = open_places[0] if open_places else (entry.places or ())[0]
+    if cheapest is None:  # it waits (or is refused) in the first place that can hold it
+        first = (open_places or attainable or list(entry.places or ()))[0]
         entry.need = {first: amount}
 
 
@@ -237,11 +238,17 @@ def refuse_self_waits(books: Core) -> None:
     refused: other requesters of the same entry wait on (for those leases).
     """
     for entry in [e for e in books.queue if e.holding]:
+        amount = sum(entry.need.values())
+        needs = [entry.need] if entry.places is None else [{p: amount} for p in entry.places]
         for ticket in [t for t in entry.joiners if t.holds]:
-            mine = books._leased_by(ticket.task, entry.need, queued=True, held=ticket.held)
-            error = mine and books._waits_on_itself(
-                entry.owner, entry.key, entry.need, mine, now=False
-            )
+            error = None
+            for need in needs:  # (a placed waiter: only if every place waits on itself)
+                mine = books._leased_by(ticket.task, need, queued=True, held=ticket.held)
+                error = mine and books._waits_on_itself(
+                    entry.owner, entry.key, need, mine, now=False
+                )
+                if not error:
+                    break
             if not error:
                 continue
             ticket.outcome = error

@@ -7,7 +7,7 @@ the slow path's ``request``, the block's ``open_block`` and ``close_block``.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from threading import get_ident
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -271,8 +271,9 @@ class Cache:
         # with a warm cache must not fail after an eviction.
         if not callable(load):
             raise TypeError(
-                f"acquiring {self.name}:{key!r}: load must be a callable taking no argument, "
-                f"got {load!r}"
+                f"acquiring {self.name}:{key!r}: load must be a callable taking "
+                + ("the chosen space's name" if spaces is not None else "no argument")
+                + f", got {load!r}"
             )
         if spaces is not None:  # (the size is the one in whichever space is chosen)
             spaces = self._check_places(key, spaces, size)
@@ -492,12 +493,18 @@ class Cache:
                 )
         if len(set(places)) != len(places):
             raise InvalidArgument(f"{what}: spaces names a space twice: {list(places)!r}")
-        if size is None or callable(size) or size.__class__ not in _PLAIN:
+        if size is None or callable(size) or isinstance(size, Mapping):
             raise InvalidArgument(
                 f"{what}: with spaces=, size must be the value's size in whichever space "
                 f"is chosen, as bytes or a string like '16GiB', got {size!r}"
             )
         parse_bytes(size)
+        if not self._actor.placement:
+            raise InvalidArgument(
+                f"{what} with spaces=: choosing among spaces needs an in-process broker; "
+                "a broker connected to 'cachebroker serve' cannot choose yet (give one "
+                "space in size= instead)"
+            )
         return places
 
     def _check_size(self, key: Hashable, size: object) -> None:

@@ -112,12 +112,13 @@ class _Slot:
         measure: Callable[[Any], Any] | None,
         now: float,
         *,
-        placed: bool = False,
+        placed: Mapping[str, str] | None = None,
     ) -> None:
         self.load = load
         self.is_async = is_async_callable(load)
-        #: The acquire gave places (``spaces=``): the loader takes the chosen
-        #: one's name, and a plain measured size is charged there.
+        #: The acquire gave places (``spaces=``; the names it gave them, by the
+        #: books' names): the loader takes the chosen one's name, and a plain
+        #: measured size is charged there.
         self.placed = placed
         self.measure = measure
         self.done = anyio.Event()
@@ -526,8 +527,9 @@ class Runner:
     def _start_load(self, entry: Entry) -> None:
         cache = self._caches[entry.owner]
         slot: _Slot = entry.shell
-        if slot.placed:  # the loader learns where it was placed
-            slot.load = functools.partial(slot.load, next(iter(entry.charge)))
+        if slot.placed is not None:  # the loader learns where, by the name it gave
+            space = next(iter(entry.charge))
+            slot.load = functools.partial(slot.load, slot.placed.get(space, space))
         self.emit(
             "debug",
             ev.GRANT,
@@ -570,7 +572,7 @@ class Runner:
                     raise
                 return
             seconds = max(0.0, self.clock() - started)
-            where = next(iter(entry.charge)) if slot.placed else None
+            where = next(iter(entry.charge)) if slot.placed is not None else None
             measured, error, fatal = self._measure(entry, slot, value, where)
             core.load_done(entry, value, measured, seconds, self.clock(), error=error)
             if fatal is not None:
@@ -1321,8 +1323,6 @@ class Runner:
         task = self.current_task()
         core = self.core
         name = owner.name
-        if places is not None:
-            self._check_placement(name, key)
         if self._probes:
             self._refresh_probes()
         if self._dropped:
@@ -1369,7 +1369,7 @@ class Runner:
             self.apply()
             return await self._wait(ticket, timeout)
         if entry.shell is None:
-            entry.shell = _Slot(load, measure, self.clock(), placed=places is not None)
+            entry.shell = _Slot(load, measure, self.clock(), placed=self._placed(places))
             self.log.debug(ev.MISS, cache=name, key=key, bytes=need)
         if entry.state is State.WAITING:
             self.log.debug(ev.WAIT, cache=name, key=key, bytes=entry.need)
@@ -1399,8 +1399,6 @@ class Runner:
         """
         task = self.current_task()
         core = self.core
-        if places is not None:
-            self._check_placement(owner.name, key)
         if self._probes:
             self._refresh_probes()
         if self._dropped:
@@ -1432,7 +1430,7 @@ class Runner:
                 [],
             )
         if entry.shell is None:
-            entry.shell = _Slot(load, measure, self.clock(), placed=places is not None)
+            entry.shell = _Slot(load, measure, self.clock(), placed=self._placed(places))
         if entry.state is State.WAITING:
             self.log.debug(ev.WAIT, cache=owner.name, key=key, bytes=entry.need)
             if self._lease_warning is not None and self._sweep_wake is not None:
@@ -1450,13 +1448,12 @@ class Runner:
     #: Whether these books choose among an acquire's places (``spaces=``).
     placement = True
 
-    def _check_placement(self, name: str, key: Hashable) -> None:
-        if not self.placement:
-            raise InvalidArgument(
-                f"acquiring {name}:{key!r} with spaces=: choosing among spaces needs an "
-                "in-process broker; a broker connected to 'cachebroker serve' cannot "
-                "choose yet (give one space in size= instead)"
-            )
+    def _placed(self, places: tuple[str, ...] | None) -> dict[str, str] | None:
+        """The names an acquire gave its places by, keyed by the books' (aliases merge them)."""
+        if places is None:
+            return None
+        canon = self.core.canon
+        return {canon.get(name, name): name for name in reversed(places)}
 
     async def _wait(
         self, ticket: Ticket, timeout: float | None, *, lease: bool = True
@@ -1582,6 +1579,9 @@ def _waiting_for(entry: Entry) -> tuple[str | None, str]:
             f"{len(entry.joiners)} request(s) waiting"
         )
     need = ", ".join(f"{format_bytes(n)} in {name!r}" for name, n in entry.need.items())
+    if entry.places is not None and entry.need:  # any of them would do
+        places = ", ".join(map(repr, entry.places))
+        need = f"{format_bytes(sum(entry.need.values()))} in any of {places}"
     if entry.state is State.MOVING:
         if entry.promoting:
             return "load", "its move back up from the lower tier"
