@@ -144,14 +144,6 @@ class TiersMachine(RuleBasedStateMachine):
 
     def _collect(self) -> None:
         h = self.harness
-        for entry in h.core.entries():
-            parked = entry.state in (State.MOVING, State.READY, State.DEMOTED)
-            if entry.holding and parked and entry not in h.core.queue:
-                # The known bug of test_tiers_attacks.py's
-                # test_a_promotion_forgets_its_lease_holding_requesters (a granted
-                # promotion keeps ``holding``), undone here so that the machine goes
-                # on looking for others.
-                entry.holding = 0
         if self.instant_moves:
             while h.moving:
                 entry = self._sorted([moving for moving, _ in h.moving])[0]
@@ -607,11 +599,8 @@ class TiersMachine(RuleBasedStateMachine):
             if entry.state in (State.READY, State.DEMOTED) and "@" in str(entry.value):
                 where = str(entry.value).rsplit("@", 1)[1]
                 assert where in entry.charge, (entry, entry.value, entry.charge)
-            if entry.state is State.READY and entry.doomed is None and not entry.leases:
-                # (Not asserted for a leased one: the known bug of test_tiers_attacks.py's
-                # test_a_request_for_a_demoted_entry_waiting_to_go_further_down_promotes_it
-                # leases a demoted entry where it is.)
-                assert entry.home is None or entry.idle_seq, entry
+            if entry.state is State.READY:  # where it was loaded: never leased lower
+                assert entry.home is None, entry
 
     def teardown(self) -> None:
         if self.h is None:
