@@ -422,10 +422,10 @@ def test_the_figure_draws_each_tier_as_lines_of_its_own() -> None:
 @pytest.mark.parametrize(
     ("tiers", "message"),
     [
-        ({"gpu": "disk"}, "tiers names space 'disk', which the budget does not have"),
+        ({"gpu": "disk"}, "tiers names space 'disk', which is not in the budget"),
         ({"tpu": "ram"}, "tiers names space 'tpu'"),
         ({"gpu": "gpu"}, "tiers puts space 'gpu' below itself"),
-        ({"gpu": "ram", "ram": "gpu"}, "one level of tiers"),
+        ({"gpu": "ram", "ram": "gpu"}, "round in a circle"),
     ],
 )
 def test_bad_tiers_are_rejected(tiers: dict[str, str], message: str) -> None:

@@ -15,7 +15,7 @@ from fractions import Fraction
 from ._errors import InvalidArgument
 from ._units import DEFAULT_SPACE, QUANTITY, UNITS
 
-__all__ = ["parse_budget", "parse_bytes", "parse_size"]
+__all__ = ["parse_budget", "parse_bytes", "parse_size", "tier_map"]
 
 
 def parse_bytes(value: object, *, what: str = "size") -> int:
@@ -113,3 +113,39 @@ def _check_known(name: str, spaces: Mapping[str, int]) -> None:
 def _check_space_name(name: object, *, what: str = "budget") -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"{what} space names must be non-empty strings, got {name!r}")
+
+
+def tier_map(tiers: object, budget: Mapping[str, int]) -> dict[str, str]:
+    """``tiers`` as {space: the space below it}: names of the budget's spaces, no cycle.
+
+    (``Broker(tiers=...)`` and the simulator's ``tiers=`` both read it here.)
+    """
+    if tiers is None:
+        return {}
+    if not isinstance(tiers, Mapping):
+        raise TypeError(
+            f'tiers must map a space to the space below it, e.g. {{"cuda:0": "ram"}}, got {tiers!r}'
+        )
+    result: dict[str, str] = {}
+    for upper, lower in tiers.items():
+        for name in (upper, lower):
+            if not isinstance(name, str):
+                raise TypeError(f"tiers names spaces by their names (str), got {name!r}")
+            if name not in budget:
+                raise InvalidArgument(
+                    f"tiers names space {name!r}, which is not in the budget "
+                    f"({', '.join(map(repr, budget))})"
+                )
+        if upper == lower:
+            raise InvalidArgument(f"tiers puts space {upper!r} below itself")
+        result[upper] = lower
+    for start in result:
+        seen = [start]
+        below = result.get(start)
+        while below is not None:
+            if below in seen:
+                cycle = " -> ".join([*seen[seen.index(below) :], below])
+                raise InvalidArgument(f"tiers go round in a circle: {cycle}")
+            seen.append(below)
+            below = result.get(below)
+    return result

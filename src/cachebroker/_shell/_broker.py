@@ -21,7 +21,7 @@ from .._core import Core, Reason, State
 from .._errors import InvalidArgument
 from .._policies import Policy, make_policy
 from .._remote._protocol import resolve_address as _address
-from .._sizes import parse_budget
+from .._sizes import parse_budget, tier_map
 from .._stats import EntryInfo, EvictionReport, Stats
 from . import _logging
 from ._cache import Cache, _CacheBlock
@@ -41,7 +41,6 @@ from ._config import (
     resolve_mover,
     resolve_releaser,
     split_probes,
-    tier_map,
 )
 from ._runner import Runner
 

@@ -112,39 +112,6 @@ def resolve_mover(releaser: object) -> MoveFunction | None:
     return cast(MoveFunction, method)
 
 
-def tier_map(tiers: object, budget: Mapping[str, int]) -> dict[str, str]:
-    """``tiers`` as {space: the space below it}: names of the budget's spaces, no cycle."""
-    if tiers is None:
-        return {}
-    if not isinstance(tiers, Mapping):
-        raise TypeError(
-            f'tiers must map a space to the space below it, e.g. {{"cuda:0": "ram"}}, got {tiers!r}'
-        )
-    result: dict[str, str] = {}
-    for upper, lower in tiers.items():
-        for name in (upper, lower):
-            if not isinstance(name, str):
-                raise TypeError(f"tiers names spaces by their names (str), got {name!r}")
-            if name not in budget:
-                raise InvalidArgument(
-                    f"tiers names space {name!r}, which is not in the budget "
-                    f"({', '.join(map(repr, budget))})"
-                )
-        if upper == lower:
-            raise InvalidArgument(f"tiers puts space {upper!r} below itself")
-        result[upper] = lower
-    for start in result:
-        seen = [start]
-        below = result.get(start)
-        while below is not None:
-            if below in seen:
-                cycle = " -> ".join([*seen[seen.index(below) :], below])
-                raise InvalidArgument(f"tiers go round in a circle: {cycle}")
-            seen.append(below)
-            below = result.get(below)
-    return result
-
-
 def non_negative_seconds(value: object, what: str, *, allow_inf: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds, got {value!r}")

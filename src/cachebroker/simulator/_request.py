@@ -9,6 +9,7 @@ from typing import Final
 import attrs
 
 from .._errors import InvalidArgument
+from .._sizes import tier_map
 
 __all__ = ["PROMOTE_FRACTION", "Request", "check_fits", "check_tiers", "where"]
 
@@ -89,23 +90,7 @@ def check_tiers(
     """
     if not tiers:
         return {}
-    if not isinstance(tiers, Mapping):
-        raise TypeError(
-            f'tiers must map a space to the space below it, e.g. {{"gpu": "ram"}}, got {tiers!r}'
-        )
-    result: dict[str, str] = {}
-    for upper, lower in tiers.items():
-        for name in (upper, lower):
-            if not isinstance(name, str):
-                raise TypeError(f"tiers names spaces by their names (str), got {name!r}")
-            if name not in budget:
-                raise InvalidArgument(
-                    f"tiers names space {name!r}, which the budget does not have "
-                    f"(it has {sorted(budget)})"
-                )
-        if upper == lower:
-            raise InvalidArgument(f"tiers puts space {upper!r} below itself")
-        result[upper] = lower
+    result = tier_map(tiers, budget)
     for upper, lower in result.items():
         if lower in result:
             raise InvalidArgument(
