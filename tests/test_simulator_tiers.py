@@ -721,3 +721,10 @@ def test_requests_far_apart_make_the_clock_change_nothing_but_the_waits(
         assert (clock.demotions, clock.promotions) == (sequential.demotions, sequential.promotions)
         assert clock.reload_seconds == pytest.approx(sequential.reload_seconds)
         assert all(wait <= 12.0 for wait in clock.wait_seconds)  # a demotion's at most
+
+
+def test_a_chain_of_tiers_is_refused_by_the_simulator() -> None:
+    trace = [req(0, "A")]
+    budget = {"gpu": 10, "ram": 10, "disk": 10}
+    with pytest.raises(InvalidArgument, match="one level of tiers"):
+        replay(trace, budget, "lru", tiers={"gpu": "ram", "ram": "disk"})
