@@ -139,12 +139,7 @@ def build_model(
     if tiers:
         return _build_tiered(requests, budget, tiers)
     model = _Model()
-    keys = [(request.cache, request.key) for request in requests]
-    following: list[int | None] = [None] * len(requests)
-    last: dict[tuple[str, str], int] = {}
-    for index in range(len(requests) - 1, -1, -1):
-        following[index] = last.get(keys[index])
-        last[keys[index]] = index
+    keys, following = _following(requests)
     sizes: dict[tuple[str, str], Mapping[str, int]] = {}
     open_gaps: dict[tuple[str, str], tuple[int, Mapping[str, int]]] = {}
     previous_row: dict[str, tuple[Any, ...]] = {}
@@ -220,6 +215,17 @@ class _Gap:
         return terms
 
 
+def _following(requests: Sequence[Request]) -> tuple[list[tuple[str, str]], list[int | None]]:
+    """Each request's (cache, key), and the index of the next request of the same key."""
+    keys = [(request.cache, request.key) for request in requests]
+    following: list[int | None] = [None] * len(requests)
+    last: dict[tuple[str, str], int] = {}
+    for index in range(len(requests) - 1, -1, -1):
+        following[index] = last.get(keys[index])
+        last[keys[index]] = index
+    return keys, following
+
+
 def _build_tiered(
     requests: Sequence[Request], budget: Mapping[str, int], tiers: Mapping[str, str]
 ) -> _Model:
@@ -243,12 +249,7 @@ def _build_tiered(
     other's room).
     """
     model = _Model()
-    keys = [(request.cache, request.key) for request in requests]
-    following: list[int | None] = [None] * len(requests)
-    last: dict[tuple[str, str], int] = {}
-    for index in range(len(requests) - 1, -1, -1):
-        following[index] = last.get(keys[index])
-        last[keys[index]] = index
+    keys, following = _following(requests)
     sizes: dict[tuple[str, str], Mapping[str, int]] = {}
     # Each key's gap in force: (the variable, its size) for a gap kept or
     # dropped whole, a _Gap for one that may be demoted.
