@@ -593,9 +593,14 @@ class TiersMachine(RuleBasedStateMachine):
                 assert len(entry.charge) <= 1 or entry.unknown, entry
             if entry.state is State.DEMOTED:
                 assert entry.owner.moves and entry.home is not None, entry
-                ((home, _),) = entry.home.items()
-                ((where, _),) = entry.charge.items()
-                assert where in below(self.tiers, home), (entry, entry.home, entry.charge)
+                # It lies below where it was loaded: each space of its charge is one
+                # of its home's (an entry of unknown size may have reserved several)
+                # or below one of them.
+                assert entry.charge != entry.home, entry
+                assert all(
+                    where in entry.home or any(where in below(self.tiers, h) for h in entry.home)
+                    for where in entry.charge
+                ), (entry, entry.home, entry.charge)
             if entry.state in (State.READY, State.DEMOTED) and "@" in str(entry.value):
                 where = str(entry.value).rsplit("@", 1)[1]
                 assert where in entry.charge, (entry, entry.value, entry.charge)
