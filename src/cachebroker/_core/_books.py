@@ -16,7 +16,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from .._errors import (
     BrokerClosed,
@@ -26,7 +26,7 @@ from .._errors import (
     ReleaseFailed,
     RequestTooLarge,
 )
-from .._policies import Policy, PolicyBase
+from .._policies import Policy, PolicyBase, PolicyEntry
 from .._policies._priorities import Priorities
 from .._units import format_bytes
 from . import _aliases, _invariants, _moves
@@ -81,6 +81,20 @@ def _slot_self_wait(entry: Entry, own: set[int], *, loading: bool = False) -> De
         + (" (or the tasks waiting for the load asking)" if loading else ""),
         [(entry.owner.name, entry.key)],
     )
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _keep(table: dict[K, V], key: K, value: V) -> None:
+    """Remember ``value`` for ``key`` in one of the books' per-key memories (sizes, load
+    and promotion times): the newest last, at most ``REMEMBERED_SIZES``, the oldest
+    forgotten first."""
+    table.pop(key, None)
+    if len(table) >= REMEMBERED_SIZES:
+        del table[next(iter(table))]
+    table[key] = value
 
 
 def _hook(policy: Policy, name: str) -> Callable[[Entry], None] | None:
@@ -964,19 +978,19 @@ class Core:
 
     def _remember_load(self, entry: Entry, seconds: float) -> None:
         """Count a finished load of ``entry``'s key, remembered across evictions."""
-        history = self.load_history
-        loads, _ = history.pop((entry.cache, entry.key), (0, 0.0))
-        if len(history) >= REMEMBERED_SIZES:
-            del history[next(iter(history))]  # the key loaded longest ago
-        history[entry.cache, entry.key] = (loads + 1, seconds)
+        loads, _ = self.load_history.get((entry.cache, entry.key), (0, 0.0))
+        _keep(self.load_history, (entry.cache, entry.key), (loads + 1, seconds))
+
+    def policy_victims(self, shortfall: Mapping[str, int], up_to: int | None) -> list[PolicyEntry]:
+        """The policy's victims for ``shortfall``, none of a priority above ``up_to``."""
+        priorities = self._priorities
+        if priorities is None:  # (every entry of one priority)
+            return self.policy.victims(shortfall)
+        return priorities.victims(shortfall, up_to)
 
     def remember(self, cache: str, key: Hashable, charge: Mapping[str, int]) -> None:
         """Remember the measured size of ``key`` in ``cache`` (space names as given)."""
-        sizes = self.sizes
-        sizes.pop((cache, key), None)
-        if len(sizes) >= REMEMBERED_SIZES:
-            del sizes[next(iter(sizes))]
-        sizes[cache, key] = dict(charge)
+        _keep(self.sizes, (cache, key), dict(charge))
         largest = self._largest.setdefault(cache, {})
         for name, amount in charge.items():
             if amount > largest.get(name, 0):
@@ -1092,11 +1106,7 @@ class Core:
             entry.promoting = False
             entry.home = None
             entry.promote_cost = seconds
-            history = self.promote_history
-            history.pop((entry.cache, entry.key), None)
-            if len(history) >= REMEMBERED_SIZES:
-                del history[next(iter(history))]  # the key promoted longest ago
-            history[entry.cache, entry.key] = seconds
+            _keep(self.promote_history, (entry.cache, entry.key), seconds)
             entry.cost = entry.reload
             entry.state = State.READY
             self.promotions += 1

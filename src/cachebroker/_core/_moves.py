@@ -180,12 +180,7 @@ def _displaced(
         books._admit(parked)
     policy.idle(parked)
     try:
-        priorities = books._priorities
-        chosen = (
-            policy.victims({lower: short})
-            if priorities is None
-            else priorities.victims({lower: short}, entry.priority)
-        )
+        chosen = books.policy_victims({lower: short}, entry.priority)
     finally:
         if books._busy is not None:
             books._busy(parked)

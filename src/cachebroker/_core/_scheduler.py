@@ -191,18 +191,12 @@ def _place(
         entry.need = {room: amount}
         return
     cheapest: float | None = None
-    priorities = books._priorities
     for name in open_places:
         space = spaces[name]
         short = amount - (space.capacity - space.used + space.releasing - promised.get(name, 0))
         if space.idle_bytes < short:
             continue
-        shortfall = {name: short}
-        victims = (
-            books.policy.victims(shortfall)
-            if priorities is None
-            else priorities.victims(shortfall, entry.priority)
-        )
+        victims = books.policy_victims({name: short}, entry.priority)
         if sum(v.charge.get(name, 0) for v in victims) < short:
             continue
         price = sum(v.cost for v in victims)
@@ -317,12 +311,7 @@ def evict(
     """
     victims: list[Entry] = []
     freed = dict.fromkeys(shortfall, 0)
-    priorities = books._priorities
-    chosen = (
-        books.policy.victims(shortfall)
-        if priorities is None
-        else priorities.victims(shortfall, up_to)
-    )
+    chosen = books.policy_victims(shortfall, up_to)
     for victim in chosen:
         # A policy sees entries as PolicyEntry: only one of the books' own may come back.
         if (

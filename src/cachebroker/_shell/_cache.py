@@ -407,14 +407,7 @@ class Cache:
             )
         if callable(size):
             measure, size = size, None
-        need = None
-        if places is not None:
-            need = {places[0]: parse_bytes(size)}
-        elif size is not None or measure is None:
-            try:
-                need = parse_size(size, actor.budget)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"prefetching {self.name}:{key!r}: {exc}") from None
+        need = self._need(key, size, measure, places, "prefetching")
         await actor.prefetch(
             self._owner,
             key,
@@ -518,6 +511,28 @@ class Cache:
         if size.__class__ in _PLAIN and len(self._sizes_seen) < 1024:
             self._sizes_seen[size] = None
 
+    def _need(
+        self,
+        key: Hashable,
+        size: SizeSpec,
+        measure: Callable[[Any], Any] | None,
+        places: tuple[str, ...] | None,
+        doing: str,
+    ) -> dict[str, int] | None:
+        """What a miss reserves (``None``: measured after the load), from checked arguments.
+
+        With ``places``, ``size`` is the size in the first of them (the scheduler
+        chooses among them). ``doing`` names the call in an error.
+        """
+        if places is not None:
+            return {places[0]: parse_bytes(size)}
+        if size is None and measure is not None:
+            return None
+        try:
+            return parse_size(size, self._actor.budget)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{doing} {self.name}:{key!r}: {exc}") from None
+
     def _find(self, key: Hashable) -> Entry | None:
         try:
             return self._entries.get(key)
@@ -546,14 +561,7 @@ class Cache:
             raise BrokerClosed(f"cache {self.name!r} is closed: cannot acquire {self.name}:{key!r}")
         if callable(size):
             measure, size = size, None
-        need = None
-        if places is not None:
-            need = {places[0]: parse_bytes(size)}
-        elif size is not None or measure is None:
-            try:
-                need = parse_size(size, actor.budget)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"acquiring {self.name}:{key!r}: {exc}") from None
+        need = self._need(key, size, measure, places, "acquiring")
         slots, priority = (None, None) if limits is None else limits
         return await actor.request(
             self._owner,
