@@ -59,6 +59,13 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
     return backend
 
 
+@pytest.fixture(params=["local", "connected"])
+def kind(request: pytest.FixtureRequest) -> str:
+    """The kind of broker ``open_broker`` (tests/brokers.py) opens: in-process or connected."""
+    kind: str = request.param
+    return kind
+
+
 @pytest.fixture
 def events() -> Iterator[list[MutableMapping[str, Any]]]:
     """Capture every structlog event the broker emits, debug ones included."""

@@ -300,14 +300,14 @@ async def test_a_connected_broker_lists_its_own_entries_and_ps_every_process() -
                 await until(
                     lambda: listed() == [("'a'", "ready", 2, 0, 0), ("'b'", "ready", 1, 0, 0)]
                 )
-                # A request the shared broker queues: "loading" in its process (waiting
-                # for the grant), "waiting" in the daemon's listing.
+                # A request the shared broker queues waits for space: "waiting" in its
+                # process (for the daemon's grant) as in the daemon's listing.
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(lambda: c2.prefetch("c", load=value("C"), size={"m": 50}))
                     await until(lambda: ("'c'", "waiting", None, 1, 0) in listed())
                     assert [(e.key, e.state) for e in await two.entries()] == [
                         ("b", "ready"),
-                        ("c", "loading"),
+                        ("c", "waiting"),
                     ]
                     await lease.release()
                 assert [e.key for e in await two.entries()] == ["c"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -276,6 +276,8 @@ class Link:
         #: What the daemon was last told of each entry (``None``: not granted yet).
         self.told: dict[Entry, str | None] = {}
         self.admitting: dict[int, _Admission] = {}
+        #: The entries whose load waits for the daemon's grant (``Runner.admitting``).
+        self.awaiting: dict[Entry, None] = {}
         self.dirty: dict[Entry, None] = {}
         #: Entries whose release the daemon asked for, and not yet told "releasing"
         #: (it need not be: the daemon waits for "gone" or "quarantined").
@@ -530,6 +532,7 @@ class Link:
         self.ids[entry] = id
         self.by_id[id] = entry
         self.told[entry] = None
+        self.awaiting[entry] = None
         core = self.runner.core
         unknown = entry.unknown
         # What the requesting task leases here: the daemon refuses a request that
@@ -571,6 +574,7 @@ class Link:
             raise
         finally:
             del self.admitting[id]
+            self.awaiting.pop(entry, None)
         if admission.error is not None:
             self._forget(entry)
             return admission.error
@@ -590,6 +594,7 @@ class Link:
             self.post({"op": "cancel", "id": id})
 
     def _forget(self, entry: Entry) -> None:
+        self.awaiting.pop(entry, None)
         id = self.ids.pop(entry, None)
         self.by_id.pop(id, None)  # type: ignore[arg-type]
         self.told.pop(entry, None)
@@ -719,6 +724,11 @@ class ClientRunner(Runner):
 
     #: (The shared broker's books would have to choose among places: not yet.)
     placement = False
+
+    admits_elsewhere = True
+
+    def admitting(self) -> Collection[Entry]:
+        return () if self.link is None else self.link.awaiting
 
     async def _admit(self, entry: Entry) -> BaseException | None:
         assert self.link is not None

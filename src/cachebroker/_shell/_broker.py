@@ -437,8 +437,11 @@ class Broker:
         idle_ttl = self._runner.idle_ttl
         now: float | None = None
         infos: list[tuple[str, str, int, EntryInfo]] = []
+        admitting = self._runner.admitting()
         for entry in core.entries():
             state = entry.state
+            # (a load granted here that waits for the shared broker's grant waits for space)
+            waiting = state is State.LOADING and bool(admitting) and entry in admitting
             idle = None
             # Only where an idle TTL applies is the end of a lease timed (``Lease.release``).
             if (
@@ -452,8 +455,8 @@ class Broker:
             info = EntryInfo(
                 cache=entry.cache,
                 key=entry.key,
-                state=state.value,
-                charge=dict(entry.charge),
+                state=State.WAITING.value if waiting else state.value,
+                charge={} if waiting else dict(entry.charge),
                 leases=entry.leases,
                 waiting=core.waiters(entry),
                 pinned=entry.pinned,
@@ -465,7 +468,8 @@ class Broker:
                 moving_to=None if entry.target is None else dict(entry.target),
                 promote_seconds=entry.promote_cost,
             )
-            infos.append((entry.cache, _key_text(entry.key), -_AGES.index(state), info))
+            age = _AGES.index(State.WAITING if waiting else state)
+            infos.append((entry.cache, _key_text(entry.key), -age, info))
         infos.sort(key=lambda item: item[:3])
         return [item[3] for item in infos]
 
@@ -490,6 +494,15 @@ class Broker:
         for entry in core.entries():
             counts[entry.state] += 1
         waiting = sum(len(entry.joiners) for entry in core.queue)
+        used = {name: space.used for name, space in core.spaces.items()}
+        # Loads granted here that wait for the shared broker's grant wait for
+        # space, as queued requests do: counted so, and not in ``used``.
+        admitting = self._runner.admitting()
+        for entry in admitting:
+            waiting += len(entry.joiners)
+            counts[State.LOADING] -= 1
+            for name, amount in entry.charge.items():
+                used[name] -= amount
         waiting_for_lease = sum(
             len(entry.joiners) for entry in core.busy if entry.state is State.READY
         )
@@ -500,7 +513,7 @@ class Broker:
             + counts[State.DEMOTED]
             + counts[State.RELEASING]
             + counts[State.QUARANTINED],
-            used={name: space.used for name, space in core.spaces.items()},
+            used=used,
             budget={name: space.budget for name, space in core.spaces.items()},
             hits=core.hits,
             misses=core.misses,

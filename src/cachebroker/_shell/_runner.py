@@ -29,7 +29,15 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable, Mapping
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Generator,
+    Hashable,
+    Mapping,
+)
 from threading import get_ident
 from types import TracebackType
 from typing import Any, assert_never, cast
@@ -530,15 +538,28 @@ class Runner:
         if slot.placed is not None:  # the loader learns where, by the name it gave
             space = next(iter(entry.charge))
             slot.load = functools.partial(slot.load, slot.placed.get(space, space))
+        if not self.admits_elsewhere:
+            self._granted(entry)
+        cache.spawn(self._run_load, entry, name=f"cachebroker load {cache.name}:{entry.key!r}")
+
+    def _granted(self, entry: Entry) -> None:
+        """``cachebroker.grant``: ``entry``'s bytes are its load's (the wait for space is over)."""
         self.emit(
             "debug",
             ev.GRANT,
-            cache=cache.name,
+            cache=entry.owner.name,
             key=entry.key,
             bytes=dict(entry.charge),
-            waited=self._since(slot.queued_at),
+            waited=self._since(entry.shell.queued_at),
         )
-        cache.spawn(self._run_load, entry, name=f"cachebroker load {cache.name}:{entry.key!r}")
+
+    #: Whether a load these books granted waits for another broker's grant
+    #: (``_admit``): until then it waits for space, as a queued request does.
+    admits_elsewhere = False
+
+    def admitting(self) -> Collection[Entry]:
+        """The entries whose load waits in ``_admit`` for another broker's grant."""
+        return ()
 
     async def _run_load(self, entry: Entry) -> None:
         _LOADING.set((*_LOADING.get(), entry))  # (this task's own context)
@@ -559,6 +580,8 @@ class Runner:
                 core.load_failed(entry, refused, cancelled=True)
                 self.apply()
                 return
+            if self.admits_elsewhere:
+                self._granted(entry)
             self.emit(
                 "info", ev.LOAD_START, cache=cache_name, key=entry.key, bytes=dict(entry.charge)
             )

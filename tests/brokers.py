@@ -1,0 +1,63 @@
+"""Both kinds of broker from one fixture: in this process, and connected to ``cachebroker serve``.
+
+``open_broker(kind, budget, **settings)`` yields a ``Broker``: for ``"local"``
+an in-process one, for ``"connected"`` a ``Broker.connect()`` to a daemon run
+in the test's own event loop with the same settings (``daemon_of(broker)``
+gives its daemon, whose books the test may read). A test that takes the ``kind``
+fixture runs once with each, so a promise is checked where it is made in one
+process and through the daemon alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from cachebroker import Broker
+from cachebroker._remote._daemon import Daemon, DaemonBroker
+
+KINDS = ("local", "connected")
+
+_DAEMONS: dict[int, Daemon] = {}
+
+
+@contextlib.asynccontextmanager
+async def open_broker(kind: str, budget: Any, **settings: Any) -> AsyncIterator[Broker]:
+    """A running broker of ``kind`` with ``budget`` and ``settings`` (a daemon's for "connected").
+
+    Its release timeout is short unless given (3 s, not 30): a test that fails
+    with a lease held closes its caches in seconds.
+    """
+    settings.setdefault("release_timeout", 3)
+    if kind == "local":
+        async with Broker(budget, **settings) as broker:
+            yield broker
+        return
+    assert kind == "connected", kind
+    directory = tempfile.mkdtemp(prefix="cb-", dir="/tmp")  # (socket paths are short)
+    daemon = Daemon(DaemonBroker(budget, **settings), os.path.join(directory, "s.sock"))
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(daemon.run)
+            try:
+                async with Broker.connect(daemon.address) as broker:
+                    _DAEMONS[id(broker)] = daemon
+                    try:
+                        yield broker
+                    finally:
+                        del _DAEMONS[id(broker)]
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def daemon_of(broker: Broker) -> Daemon | None:
+    """The daemon a ``"connected"`` broker of ``open_broker`` talks to (``None`` for "local")."""
+    return _DAEMONS.get(id(broker))
