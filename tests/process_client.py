@@ -87,7 +87,9 @@ class Steps:
     async def connect(self, step: Config) -> None:
         stack = contextlib.AsyncExitStack()
         try:
-            self.broker = await stack.enter_async_context(Broker.connect(self.address))
+            self.broker = await stack.enter_async_context(
+                Broker.connect(self.address, reconnect=step.get("reconnect", True))
+            )
             self.cache = await stack.enter_async_context(
                 self.broker.cache(step.get("cache", "c"), self.release)
             )

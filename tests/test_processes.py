@@ -433,14 +433,15 @@ async def test_a_killed_process_gives_its_bytes_back(procs: Procs, moment: str) 
 async def test_a_stopped_daemon_fails_requests_and_leaves_leases_working(
     procs: Procs, signum: int
 ) -> None:
-    """When the daemon stops, requests that need it raise ``BrokerClosed`` naming its
-    socket (the one waiting, and the next), a lease held keeps its value, the broker
-    closes without hanging, and ``Broker.connect`` works again once a daemon is back."""
+    """Without ``reconnect``: when the daemon stops, requests that need it raise
+    ``BrokerClosed`` naming its socket (the one waiting, and the next), a lease held
+    keeps its value, the broker closes without hanging, and ``Broker.connect`` works
+    again once a daemon is back."""
     with anyio.fail_after(40):
         daemon = await procs.daemon("100")
         client = procs.steps(
             "client",
-            {"do": "connect"},
+            {"do": "connect", "reconnect": False},
             {"do": "acquire", "key": "a", "size": 60},
             {"do": "acquire", "key": "b", "size": 60, "timeout": 30, "background": True},
             {"do": "wait", "signal": "stopped"},

@@ -293,7 +293,7 @@ async def test_a_process_that_disconnects_frees_its_bytes_and_others_are_granted
     async with serving() as daemon:
         async with Broker.connect(daemon.address) as two:
             async with two.cache("w", Plugin()) as c2:
-                one = Broker.connect(daemon.address)
+                one = Broker.connect(daemon.address, reconnect=False)
                 await one.__aenter__()
                 async with one.cache("w", Plugin()) as c1:
                     held = await c1.acquire("a", load=value(1), size=90)
@@ -330,7 +330,7 @@ async def test_when_the_daemon_goes_held_leases_work_and_requests_raise_broker_c
     try:
         async with anyio.create_task_group() as tg:
             _daemon, scope = await stoppable(tg, address)
-            async with Broker.connect(address) as broker:
+            async with Broker.connect(address, reconnect=False) as broker:
                 async with broker.cache("w", Plugin()) as cache:
                     held = await cache.acquire("a", load=value("A"), size=10)
                     async with cache.acquire("b", load=value("B"), size=10):

@@ -354,7 +354,10 @@ async def test_a_daemon_gone_mid_grant_mid_load_and_mid_release_then_served_agai
                     await finish.wait()
                     return "L"
 
-                async with Broker.connect(address) as one, Broker.connect(address) as two:
+                async with (
+                    Broker.connect(address, reconnect=False) as one,
+                    Broker.connect(address, reconnect=False) as two,
+                ):
                     async with one.cache("w", slow) as c1, two.cache("w", Plugin()) as c2:
                         async with c1.acquire("idle", load=value("I"), size=40):
                             pass
@@ -537,3 +540,49 @@ async def test_churn_and_cancellation_everywhere_leave_the_daemon_holding_what_p
                     settled(daemon)
             quiet.set()
         await empty(daemon)
+
+
+async def test_a_release_refused_then_idle_again_in_one_batch_is_asked_again() -> None:
+    """The daemon asks for x's release; the process, which leased x meanwhile, refuses
+    it, and its lease ends before the daemon reads the refusal: "held" and "idle" arrive
+    in one batch. The daemon must ask again (the process will not release x unasked),
+    not wait for a "gone" that never comes until its release timeout quarantines x."""
+    async with serving(release_timeout=30) as daemon:
+        stream = await anyio.connect_unix(daemon.address)
+        reader = BufferedByteReceiveStream(stream)
+
+        async def next_op(op: str) -> dict[str, Any]:
+            with anyio.fail_after(5):
+                while (message := await wire.receive(reader))["op"] != op:
+                    pass
+            return message
+
+        await wire.send(
+            stream,
+            {"op": "hello", "version": wire.VERSION, "pid": 1},
+            {"op": "open", "cache": "h"},
+            _acquire(1, 60),
+        )
+        await next_op("grant")
+        await wire.send(stream, {"op": "report", "id": 1, "state": "idle", "charge": {"m": 60}})
+        async with Broker.connect(daemon.address) as other, other.cache("w", Plugin()) as cache:
+            async with anyio.create_task_group() as tg:
+                got: list[Any] = []
+
+                async def want_room() -> None:
+                    async with cache.acquire("y", load=value(2), size=50, timeout=10) as lease:
+                        got.append(lease.value)
+
+                tg.start_soon(want_room)
+                assert (await next_op("release"))["id"] == 1
+                # Refused (held when asked), and idle again, read in one step: the
+                # daemon's release task sees only the last state, "idle".
+                (peer,) = (c for c in daemon.connections.values() if "h" in c.caches)
+                peer.report({"op": "report", "id": 1, "state": "held"})
+                peer.report({"op": "report", "id": 1, "state": "idle"})
+                assert (await next_op("release"))["id"] == 1  # asked again
+                await wire.send(stream, {"op": "report", "id": 1, "state": "gone"})
+            assert got == [2]
+        await stream.aclose()
+        await until(lambda: not daemon.connections)
+        settled(daemon)

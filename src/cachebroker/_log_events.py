@@ -40,6 +40,11 @@ PEER_GONE: Final = "cachebroker.peer.gone"
 PEER_REFUSED: Final = "cachebroker.peer.refused"
 PEER_FAILED: Final = "cachebroker.peer.failed"
 BROKER_LOST: Final = "cachebroker.broker.lost"
+PEER_RECONNECTING: Final = "cachebroker.peer.reconnecting"
+PEER_RECONNECTED: Final = "cachebroker.peer.reconnected"
+DAEMON_WAITING: Final = "cachebroker.daemon.waiting"
+DAEMON_READY: Final = "cachebroker.daemon.ready"
+PEERS_UNSAVED: Final = "cachebroker.daemon.peers_unsaved"
 RAY_REPORT_FAILED: Final = "cachebroker.ray.report_failed"
 
 ALL: Final = (
@@ -71,5 +76,10 @@ ALL: Final = (
     PEER_REFUSED,
     PEER_FAILED,
     BROKER_LOST,
+    PEER_RECONNECTING,
+    PEER_RECONNECTED,
+    DAEMON_WAITING,
+    DAEMON_READY,
+    PEERS_UNSAVED,
     RAY_REPORT_FAILED,
 )

@@ -596,6 +596,38 @@ class Core:
         schedule(self)
         return ticket
 
+    def adopt(
+        self,
+        owner: Owner,
+        key: Hashable,
+        charge: dict[str, int],
+        task: object,
+        *,
+        priority: int | None = None,
+    ) -> Ticket:
+        """Take on a request that other books granted, whose load has begun or ended.
+
+        For books whose owners live in other processes: a process that
+        registers again with a restarted shared broker holds ``charge``
+        already, so its entry is granted at once, whatever the queue and the
+        budget say (the memory is taken: refusing it would not give it back),
+        and a space it drives over its capacity evicts for it as after a load
+        measured larger than declared. The entry is loading, ``task`` joined
+        to it: the load reports how the entry stands there.
+        """
+        if self.canon:
+            charge = canonical(self.canon, charge)
+        entry = self._create(owner, key, charge, priority=priority)
+        self.misses -= 1  # (no request of these books: nothing was missed here)
+        ticket = Ticket(entry, task)
+        entry.joiners.append(ticket)
+        self._grant(entry)
+        for name in charge:
+            if self.spaces[name].used > self.spaces[name].capacity:
+                self._overdrawn.add(name)
+        schedule(self)
+        return ticket
+
     def leave(self, ticket: Ticket) -> None:
         """Withdraw a pending ticket (its task was cancelled or timed out).
 

@@ -17,7 +17,9 @@ entry; one that this process leased again meanwhile is refused, by the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import os
 import socket
 from collections.abc import Callable, Collection, Hashable, Mapping
@@ -27,6 +29,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import attrs
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
@@ -39,7 +42,7 @@ from .._shell._runner import Runner
 from . import _protocol as wire
 from ._protocol import ProtocolError
 
-__all__ = ["ClientBooks", "ClientRunner", "Link"]
+__all__ = ["ClientBooks", "ClientRunner", "Link", "Reconnect"]
 
 #: Seconds to connect and be welcomed, to be told the daemon's totals, and to
 #: send what is left when the broker closes.
@@ -232,6 +235,9 @@ class ClientBooks(Core):
 #: Reports of an entry on its way out, which say why (``reason``).
 _LETTING_GO = frozenset({"releasing", "quarantined", "gone"})
 
+#: Reports of an entry on its way out whose bytes this process may still hold.
+_HOLDING_BYTES = frozenset({"releasing", "quarantined"})
+
 
 def _report(entry: Entry) -> str:
     """What the daemon is to know of ``entry`` now."""
@@ -251,22 +257,53 @@ def _key_text(key: Hashable) -> str:
     return text if len(text) <= KEY_TEXT else text[: KEY_TEXT - 3] + "..."
 
 
+def _shut_down(stream: anyio.abc.SocketStream) -> None:
+    """End both directions of ``stream``'s socket: its reader sees the end."""
+    with contextlib.suppress(OSError, anyio.TypedAttributeLookupError):
+        stream.extra(anyio.abc.SocketAttribute.raw_socket).shutdown(socket.SHUT_RDWR)
+
+
 class _Admission:
-    """A load waiting for the daemon's grant."""
+    """A load waiting for the daemon's grant: its ``acquire``, sent again after a restart."""
 
-    __slots__ = ("error", "event")
+    __slots__ = ("error", "event", "message")
 
-    def __init__(self) -> None:
+    def __init__(self, message: dict[str, Any]) -> None:
         self.event = anyio.Event()
         self.error: BaseException | None = None
+        self.message = message
+
+
+@attrs.frozen
+class Reconnect:
+    """How a connected broker comes back after its daemon's restart (``Broker.connect``).
+
+    Attributes:
+        enabled: Whether it connects again at all (``reconnect=``).
+        delay: Seconds before the first try; each failed try doubles it...
+        max_delay: ... up to this.
+        timeout: Seconds without a daemon after which it gives up (``None``: never).
+    """
+
+    enabled: bool = True
+    delay: float = 0.05
+    max_delay: float = 1.0
+    timeout: float | None = None
 
 
 class Link:
     """The connection to the daemon, and what this process has told it."""
 
-    def __init__(self, address: str, runner: ClientRunner) -> None:
+    def __init__(
+        self, address: str, runner: ClientRunner, reconnect: Reconnect | None = None
+    ) -> None:
         self.address = address
         self.runner = runner
+        self.reconnect = Reconnect() if reconnect is None else reconnect
+        #: False while the daemon is away and this process tries to connect again.
+        self.online = True
+        #: Whether ``run`` serves the connection (once it ended, nothing more is sent).
+        self.running = False
         self.stream: anyio.abc.SocketStream | None = None
         self.rx: BufferedByteReceiveStream | None = None
         self._ids = itertools.count(1)
@@ -337,7 +374,7 @@ class Link:
     async def finish(self) -> None:
         """Send what is left, then close the connection (the daemon forgets this process)."""
         self.closing = True
-        if self.error is None:
+        if self.error is None and self.online and self.running:
             self.collect()
             self.wake.set()
             with anyio.move_on_after(FINISH_TIMEOUT):
@@ -406,7 +443,12 @@ class Link:
                 continue
             message: dict[str, Any] = {"op": "report", "id": self.ids[entry], "state": now}
             if told == "loading":
-                message["charge"] = core.charges.pop(entry, None)
+                charge = core.charges.pop(entry, None)
+                if charge is None and now in _HOLDING_BYTES:
+                    # Abandoned while its thread still makes the value (its cache
+                    # closed), or quarantined with it: the reservation is still taken.
+                    charge = dict(entry.charge)
+                message["charge"] = charge
                 # (for ``cachebroker ps``; a daemon that does not know the field ignores it)
                 message["loads"] = core.load_history.get((entry.cache, entry.key), (0, 0.0))[0]
             if now in _LETTING_GO:
@@ -443,55 +485,201 @@ class Link:
                 self.collect()
                 batch, self.outbox = self.outbox, []
                 if batch:
-                    try:
-                        await wire.send(self.stream, *batch)
-                    except Exception as exc:  # (the connection's end, never the application's)
-                        self.lost(exc)
-                        await anyio.aclose_forcefully(self.stream)
-                        return
+                    await wire.send(self.stream, *batch)
                 if self.closing and not self.outbox and not self.dirty:
                     self.drained.set()
         finally:
-            self.drained.set()
+            if self.closing:
+                self.drained.set()
 
     # ------------------------------------------------------------- receiving
 
     async def reader(self) -> None:
         assert self.stream is not None and self.rx is not None
+        while True:
+            message = await wire.receive(self.rx)
+            op = message["op"]
+            if op == "grant":
+                admission = self.admitting.get(wire.field(message, "id", int))
+                if admission is not None:
+                    admission.event.set()
+            elif op == "fail":
+                admission = self.admitting.get(wire.field(message, "id", int))
+                if admission is not None:
+                    admission.error = self._refusal(message.get("error"))
+                    admission.event.set()
+            elif op == "release":
+                self.give_up(wire.field(message, "id", int))
+            elif op == "want":
+                entry = self.by_id.get(wire.field(message, "id", int))
+                if entry is not None:  # (else it is gone: its report is on its way)
+                    core = self.runner.core
+                    assert isinstance(core, ClientBooks)
+                    core.want(entry)
+            elif op == "totals":
+                self.totals = message
+                self._totals_had += 1
+                if self._totals_wait is not None:
+                    self._totals_wait.set()
+                    self._totals_wait = None
+            elif op == "error":
+                raise ProtocolError(f"the broker said: {message.get('message')}")
+            else:
+                raise ProtocolError(f"unknown op {op!r}")
+
+    async def run(self) -> None:
+        """Serve the connection; when it ends, connect again (``Reconnect``) and register.
+
+        Until this process is registered with a daemon again, requests that
+        need one wait (each within its own timeout); leases and hits go on.
+        """
+        self.running = True
         try:
             while True:
-                message = await wire.receive(self.rx)
-                op = message["op"]
-                if op == "grant":
-                    admission = self.admitting.get(wire.field(message, "id", int))
-                    if admission is not None:
-                        admission.event.set()
-                elif op == "fail":
-                    admission = self.admitting.get(wire.field(message, "id", int))
-                    if admission is not None:
-                        admission.error = self._refusal(message.get("error"))
-                        admission.event.set()
-                elif op == "release":
-                    self.give_up(wire.field(message, "id", int))
-                elif op == "want":
-                    entry = self.by_id.get(wire.field(message, "id", int))
-                    if entry is not None:  # (else it is gone: its report is on its way)
-                        core = self.runner.core
-                        assert isinstance(core, ClientBooks)
-                        core.want(entry)
-                elif op == "totals":
-                    self.totals = message
-                    self._totals_had += 1
-                    if self._totals_wait is not None:
-                        self._totals_wait.set()
-                        self._totals_wait = None
-                elif op == "error":
-                    raise ProtocolError(f"the broker said: {message.get('message')}")
-                else:
-                    raise ProtocolError(f"unknown op {op!r}")
-        except Exception as exc:  # (the connection's end, never the application's)
-            self.lost(exc)
-            await anyio.aclose_forcefully(self.stream)
+                ended = await self._serve()
+                if self.closing or not self.reconnect.enabled or self.error is not None:
+                    self.lost(ended)
+                    return
+                if not await self._come_back(ended):
+                    return
+        finally:
+            self.running = False
+            self.drained.set()  # (nothing more will be sent: ``finish`` need not wait)
+
+    async def _serve(self) -> BaseException:
+        """Read and write until the connection ends; what ended it.
+
+        The reader is never cancelled in a receive (on asyncio, closing a
+        UNIX stream whose receive is being cancelled raises from a loop
+        callback, anyio#1267): a writer that fails shuts the socket down,
+        and the reader, seeing the end, stops the writer.
+        """
+        stream = self.stream
+        assert stream is not None
+        ended: list[BaseException] = []
+
+        async def write() -> None:
+            try:
+                await self.writer()
+            except Exception as exc:  # (the connection's end, never the application's)
+                ended.append(exc)
+                _shut_down(stream)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write)
+            try:
+                await self.reader()
+            except Exception as exc:
+                ended.insert(0, exc)
+            tg.cancel_scope.cancel()
+        await anyio.aclose_forcefully(stream)
+        return ended[0] if ended else anyio.EndOfStream()
+
+    async def _come_back(self, cause: BaseException) -> bool:
+        """Connect again with backoff and register; ``False`` once it gives up (``lost``)."""
+        settings = self.reconnect
+        runner = self.runner
+        self.online = False
+        self.outbox, self.dirty = [], {}  # (what the next daemon hears is ``register``'s)
+        if self._totals_wait is not None:
+            self._totals_wait.set()
+        runner.emit("warning", ev.PEER_RECONNECTING, address=self.address, error=repr(cause))
+        started = anyio.current_time()
+        delay = settings.delay
+        attempts = 0
+        while True:
+            left = math.inf
+            if settings.timeout is not None:
+                left = settings.timeout - (anyio.current_time() - started)
+                if left <= 0:
+                    self.lost(cause)
+                    return False
+            await anyio.sleep(min(delay, left))
+            attempts += 1
+            try:
+                welcome = await self.open()
+            except BrokerClosed as exc:
+                cause = exc
+                delay = min(delay * 2, settings.max_delay)
+                continue
+            if self.closing:
+                return True  # (``run`` ends with the connection ``finish`` closes)
+            registered = self.register(welcome)
+            runner.emit(
+                "info",
+                ev.PEER_RECONNECTED,
+                address=self.address,
+                attempts=attempts,
+                seconds=round(anyio.current_time() - started, 3),
+                entries=registered,
+            )
+            return True
+
+    def register(self, welcome: Mapping[str, Any]) -> int:
+        """Tell a new daemon everything this process holds, then the requests that wait.
+
+        Every cache open (and every closed one whose quarantined entries the
+        daemon must keep charging), every entry the last daemon granted, as
+        it stands now (``adopt``), and every request still waiting for a
+        grant, in the order they were made; then ``registered``, after which
+        the daemon may grant to others. Returns how many entries were adopted.
+        """
+        runner = self.runner
+        core = runner.core
+        assert isinstance(core, ClientBooks)
+        budget = wire.charge(welcome, "budget") or {}
+        limit = wire.charge(welcome, "limit") or {}
+        for name, space in core.spaces.items():
+            space.budget = budget.get(name, space.budget)
+            space.limit = limit.get(name, space.limit)
+        messages: list[dict[str, Any]] = []
+        open_caches = list(runner.opened)
+        messages.extend({"op": "open", "cache": name} for name in open_caches)
+        closed: dict[str, None] = {}
+        adopted = 0
+        for entry, id in sorted(self.ids.items(), key=lambda item: item[1]):
+            told = self.told.get(entry)
+            if told is None:
+                continue  # waiting for a grant: asked for again below
+            if entry.state is State.GONE:
+                self._forget(entry)
+                continue
+            cache = entry.owner.name
+            if cache not in open_caches and cache not in closed:
+                closed[cache] = None
+                messages.append({"op": "open", "cache": cache})
+            now = _report(entry)
+            message: dict[str, Any] = {
+                "op": "adopt",
+                "id": id,
+                "cache": cache,
+                "key": _key_text(entry.key),
+                "state": now,
+                "charge": dict(entry.charge),
+                "priority": entry.priority,
+                "loads": core.load_history.get((entry.cache, entry.key), (0, 0.0))[0],
+            }
+            core.charges.pop(entry, None)
+            reason = core.reasons.get(entry)
+            if now in _LETTING_GO and reason is not None:
+                message["reason"] = reason.value
+            if now == "quarantined":
+                message["error"] = f"{entry.error!s:.500}"
+            self.told[entry] = now
+            messages.append(message)
+            adopted += 1
+        self.asked.clear()
+        for id in sorted(self.admitting):
+            if id in self.by_id:  # (not withdrawn meanwhile)
+                messages.append(self.admitting[id].message)
+        messages.extend({"op": "close", "cache": cache} for cache in closed)
+        messages.append({"op": "registered"})
+        self.outbox = messages
+        self.dirty = {}
+        self.online = True
+        self.wake = anyio.Event()
+        self._wake_writer()
+        return adopted
 
     def _refusal(self, fields: Any) -> BaseException:
         """The error a ``fail`` stands for; a deadlock names this process's leases by key."""
@@ -528,7 +716,6 @@ class Link:
         if self.error is not None:
             return
         id = next(self._ids)
-        self.admitting[id] = _Admission()
         self.ids[entry] = id
         self.by_id[id] = entry
         self.told[entry] = None
@@ -543,22 +730,23 @@ class Link:
             for held in core.busy
             if held.leases and task in held.holders and held in self.ids
         ]
-        self.post(
-            {
-                "op": "acquire",
-                "id": id,
-                "cache": entry.owner.name,
-                "key": _key_text(entry.key),
-                "need": None if unknown else dict(entry.need),
-                "cost": entry.declared_cost,  # (finite: Cache.acquire checked it)
-                # A load of unknown size let past these books' gate (from inside a
-                # loader, or by a task holding a lease) must pass the daemon's too.
-                "urgent": unknown and entry is not core._unknown,
-                "holding": holding,
-                # The shared broker evicts by it too (as it was when requested).
-                "priority": entry.priority,
-            }
-        )
+        message = {
+            "op": "acquire",
+            "id": id,
+            "cache": entry.owner.name,
+            "key": _key_text(entry.key),
+            "need": None if unknown else dict(entry.need),
+            "cost": entry.declared_cost,  # (finite: Cache.acquire checked it)
+            # A load of unknown size let past these books' gate (from inside a
+            # loader, or by a task holding a lease) must pass the daemon's too.
+            "urgent": unknown and entry is not core._unknown,
+            "holding": holding,
+            # The shared broker evicts by it too (as it was when requested).
+            "priority": entry.priority,
+        }
+        self.admitting[id] = _Admission(message)
+        if self.online:
+            self.post(message)
 
     async def admit(self, entry: Entry) -> BaseException | None:
         """Wait for the daemon's grant of ``entry`` (``request``); the error that refused it."""
@@ -590,7 +778,7 @@ class Link:
         if id is None or self.told.get(entry) is not None:
             return  # unknown to the daemon, or granted: its report says what became of it
         self._forget(entry)
-        if self.error is None:
+        if self.error is None and self.online:
             self.post({"op": "cancel", "id": id})
 
     def _forget(self, entry: Entry) -> None:
@@ -601,13 +789,13 @@ class Link:
 
     async def fetch_totals(self) -> dict[str, Any] | None:
         """The daemon's books per space now (``Stats.broker_used``); ``None`` when it is gone."""
-        if self.error is not None:
+        if self.error is not None or not self.online:
             return None
         self._totals_asked += 1
         mine = self._totals_asked
         self.post({"op": "totals"})
         with anyio.move_on_after(TOTALS_TIMEOUT):
-            while self._totals_had < mine and self.error is None:
+            while self._totals_had < mine and self.error is None and self.online:
                 if self._totals_wait is None:
                     self._totals_wait = anyio.Event()
                 await self._totals_wait.wait()
@@ -617,7 +805,7 @@ class Link:
 class ClientRunner(Runner):
     """The runner of a broker connected to a shared one: admission waits for the daemon."""
 
-    __slots__ = ("address", "link")
+    __slots__ = ("address", "link", "opened", "reconnect")
 
     def __init__(
         self,
@@ -625,6 +813,7 @@ class ClientRunner(Runner):
         *,
         logger: object,
         oom_errors: tuple[type[BaseException], ...] = (),
+        reconnect: Reconnect | None = None,
     ) -> None:
         super().__init__(
             ClientBooks({}, None),
@@ -644,9 +833,12 @@ class ClientRunner(Runner):
         )
         self.address = address
         self.link: Link | None = None
+        self.reconnect = Reconnect() if reconnect is None else reconnect
+        #: The caches open here, in the order they were opened (``Link.register``).
+        self.opened: dict[str, None] = {}
 
     async def start(self) -> None:
-        link = Link(self.address, self)
+        link = Link(self.address, self, self.reconnect)
         welcome = await link.open()
         try:
             budget = wire.charge(welcome, "budget") or {}
@@ -664,8 +856,7 @@ class ClientRunner(Runner):
         except BaseException:
             await anyio.aclose_forcefully(link.stream)  # type: ignore[arg-type]
             raise
-        self._spawn(link.reader, name=f"cachebroker link reader {self.address}")
-        self._spawn(link.writer, name=f"cachebroker link writer {self.address}")
+        self._spawn(link.run, name=f"cachebroker link {self.address}")
 
     async def stop(
         self,
@@ -701,6 +892,7 @@ class ClientRunner(Runner):
             name, release, slots=slots, priority=priority, ttl=ttl, move=move
         )
         assert self.link is not None
+        self.opened[name] = None
         self.link.post({"op": "open", "cache": name})
         return block
 
@@ -715,6 +907,7 @@ class ClientRunner(Runner):
             return await super().close_block(block, exc_type, exc, tb)
         finally:
             assert self.link is not None
+            self.opened.pop(block.name, None)
             self.link.post({"op": "close", "cache": block.name})
 
     def _start_load(self, entry: Entry) -> None:
@@ -737,6 +930,8 @@ class ClientRunner(Runner):
     def _waiting_for(self, entry: Entry) -> tuple[str | None, str]:
         link = self.link
         if link is not None and entry in link.told and link.told[entry] is None:
+            if not link.online:
+                return "space", f"the broker at {self.address} to come back (reconnecting)"
             return "space", f"space from the broker at {self.address}"
         return super()._waiting_for(entry)
 

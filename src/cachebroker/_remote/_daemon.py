@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
 import os
 import stat
 from collections.abc import Callable
@@ -36,7 +37,7 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
-from .._core import Core, Entry, Reason, State
+from .._core import Core, Entry, Reason, State, Ticket
 from .._errors import InvalidArgument, LeasesOutstanding, LoadFailed, ReleaseFailed
 from .._shell._actor import Block
 from .._shell._broker import Broker
@@ -50,8 +51,18 @@ __all__ = ["Daemon", "DaemonBroker"]
 #: Seconds a new connection has to say hello.
 HELLO_TIMEOUT = 10.0
 
+#: Seconds a restarted daemon waits at most for the processes of the one
+#: before it to register again before it grants anything (``serve --grace``).
+GRACE = 10.0
+
+#: Seconds between looks at whether an expected process still lives.
+GATE_POLL = 0.1
+
 #: What a process's report may say of its entry.
 _REPORTS = frozenset({"held", "pinned", "idle", "releasing", "quarantined", "gone"})
+
+#: How an entry may stand when a process registers it again (``adopt``).
+_ADOPTED = frozenset({"loading", "held", "pinned", "idle", "releasing", "quarantined"})
 
 #: Reports that hold the entry (leased, or pinned): it is no victim.
 _HOLDING = frozenset({"held", "pinned"})
@@ -188,6 +199,7 @@ class _Mirror:
     """The daemon's side of one entry of a connected process."""
 
     __slots__ = (
+        "asking",
         "cancelled",
         "charge",
         "entry",
@@ -199,6 +211,7 @@ class _Mirror:
         "key",
         "loads",
         "reason",
+        "refused",
         "reported",
         "scope",
         "settled",
@@ -227,6 +240,10 @@ class _Mirror:
         self.holder: object = None
         self.scope: anyio.CancelScope | None = None
         self.cancelled = False
+        #: While the daemon asks for its release (``_release``): whether the process
+        #: reported it held since, which refuses the request even if it is idle again.
+        self.asking = False
+        self.refused = False
         #: Set once the daemon's request for it is over: loaded, failed or withdrawn.
         self.settled = anyio.Event()
 
@@ -284,6 +301,10 @@ class Connection:
             self.report(message)
         elif op == "acquire":
             self.acquire(message)
+        elif op == "adopt":
+            self.adopt(message)
+        elif op == "registered":
+            self.daemon.registered(self)
         elif op == "cancel":
             self.cancel(wire.field(message, "id", int))
         elif op == "open":
@@ -306,6 +327,7 @@ class Connection:
         self.opened.append(space)
         assert self.tg is not None
         await self.tg.start(self._run_cache, cache, space)
+        self.daemon.note_peer(self)
 
     async def _run_cache(
         self, cache: str, space: _Space, *, task_status: anyio.abc.TaskStatus[None]
@@ -319,6 +341,11 @@ class Connection:
             try:
                 await space.closed.wait()
             except BaseException as exc:
+                # The connection ended, or the daemon stops: either way nothing is
+                # asked of the process (it keeps its values, and registers them with
+                # the next daemon): its entries just leave these books.
+                self.runner.core.drop_owner(block.owner)
+                self.runner.apply()
                 await self.runner.close_block(block, type(exc), exc, exc.__traceback__)
                 raise
             with contextlib.suppress(LeasesOutstanding):  # (quarantined: the books say so)
@@ -371,6 +398,9 @@ class Connection:
             mirror.scope = scope
             if mirror.cancelled:
                 scope.cancel()
+            # A restarted daemon grants nothing until the processes of the one
+            # before it have said what they hold (``Daemon.gate``).
+            await self.daemon.gate.wait()
             # The entries the requesting task leases may still be settling here
             # (their loads' reports came in the same batch): wait for them, so
             # that a request only those leases could make room for is refused.
@@ -414,21 +444,88 @@ class Connection:
         if scope.cancelled_caught:
             mirror.settled.set()
             return
+        self._loaded(mirror, entry, task)
+
+    def _loaded(self, mirror: _Mirror, entry: Entry, task: object) -> None:
+        """``mirror``'s entry is in the books, leased to ``task`` until the process's report."""
         mirror.entry = entry
         mirror.held = True
         mirror.holder = task
         mirror.settled.set()
         self.reconcile(mirror)
 
-    async def _load(self, mirror: _Mirror) -> dict[str, int]:
-        """The daemon's load of a process's entry: the grant, then the process's outcome."""
-        self.post({"op": "grant", "id": mirror.id})
+    async def _load(self, mirror: _Mirror, *, grant: bool = True) -> dict[str, int]:
+        """The daemon's load of a process's entry: the grant, then the process's outcome.
+
+        An adopted entry (``adopt``) was granted by the daemon before this one.
+        """
+        if grant:
+            self.post({"op": "grant", "id": mirror.id})
         mirror.granted = True
         while mirror.state == "loading":
             await mirror.reported.wait()
-        if mirror.charge is None:  # the load failed (or was given up) in the process
+        if mirror.charge is not None:
+            return mirror.charge
+        if mirror.state == "gone":  # the load failed (or was given up) and made nothing
             raise LoadFailed(f"the load of {mirror.key!r} failed in process {self.pid}")
-        return mirror.charge
+        # Releasing or quarantined, unmeasured: what it holds there is unknown, so
+        # the grant stays taken until the process says the value is gone.
+        block = mirror.space.block
+        loading = None if block is None else block.owner.entries.get(mirror.key)
+        return {} if loading is None else dict(loading.charge)
+
+    def adopt(self, message: dict[str, Any]) -> None:
+        """An entry the process holds since before this daemon started (``register``).
+
+        Booked in this step, as it stands there (loading, held, pinned, idle,
+        releasing or quarantined), with its charge, whatever the budget says:
+        the process holds that memory (``Core.adopt``).
+        """
+        id = wire.field(message, "id", int)
+        cache = wire.field(message, "cache", str)
+        key = _Key(id, wire.field(message, "key", str))
+        state = wire.field(message, "state", str)
+        if state not in _ADOPTED:
+            raise ProtocolError(f"'adopt' message: 'state' is {state!r}")
+        charge = self._charge(message, state)
+        if not charge:
+            raise ProtocolError(f"'adopt' message: 'charge' is {message.get('charge')!r}")
+        priority = message.get("priority", 0)
+        if type(priority) is not int:
+            raise ProtocolError(f"'adopt' message: 'priority' is {priority!r}")
+        space = self.caches.get(cache)
+        if space is None or space.block is None or id in self.mirrors:
+            raise ProtocolError(f"'adopt' of #{id} in cache {cache!r}, which is not open")
+        mirror = self.mirrors[id] = _Mirror(id, key, space)
+        mirror.granted = True
+        mirror.state = state
+        mirror.charge = None if state == "loading" else charge
+        loads = message.get("loads")
+        if type(loads) is int and loads >= 0:
+            mirror.loads = loads
+        if "reason" in message:
+            mirror.reason = _REASONS.get(str(message["reason"]), Reason.CAPACITY)
+        if state == "quarantined":
+            mirror.error = str(message.get("error", ""))
+        ticket = self.runner.adopt(
+            space.block.owner,
+            key,
+            functools.partial(self._load, mirror, grant=False),
+            _measured,
+            charge,
+            priority=priority,
+        )
+        assert self.tg is not None
+        self.tg.start_soon(self._settle, mirror, ticket)
+
+    async def _settle(self, mirror: _Mirror, ticket: Ticket) -> None:
+        try:
+            entry, task = await self.runner.settle(ticket)
+        except Exception:  # its load failed there meanwhile: the bytes are back
+            self.mirrors.pop(mirror.id, None)
+            mirror.settled.set()
+            return
+        self._loaded(mirror, entry, task)
 
     def cancel(self, id: int) -> None:
         """The process stopped waiting for ``id``'s grant (or never started its load)."""
@@ -463,6 +560,8 @@ class Connection:
             if type(loads) is int and loads >= 0:
                 mirror.loads = loads
         mirror.state = state
+        if mirror.asking and state in _HOLDING:
+            mirror.refused = True
         if "reason" in message:
             mirror.reason = _REASONS.get(str(message["reason"]), Reason.CAPACITY)
         if state == "quarantined":
@@ -531,22 +630,31 @@ class Connection:
             # (held: leased again since, maybe right after offering it idle, which
             # the process then accepts to release at that lease's end)
             self.post({"op": "release", "id": mirror.id})
-        while True:
-            state = mirror.state
-            if state == "gone":
-                self.mirrors.pop(mirror.id, None)
-                return
-            if state == "quarantined":
-                name = mirror.space.name
-                raise _FailedThere(
-                    ReleaseFailed(
-                        f"releasing {name}:{key!r} failed in process {self.pid}: {mirror.error}"
+        mirror.asking, mirror.refused = True, False
+        try:
+            while True:
+                state = mirror.state
+                if state == "gone":
+                    self.mirrors.pop(mirror.id, None)
+                    return
+                if state == "quarantined":
+                    name = mirror.space.name
+                    raise _FailedThere(
+                        ReleaseFailed(
+                            f"releasing {name}:{key!r} failed in process {self.pid}: {mirror.error}"
+                        )
                     )
-                )
-            if state in _HOLDING:
-                mirror.held, mirror.holder = True, self.holder
-                raise _Refused(self.holder)
-            await mirror.reported.wait()
+                if state in _HOLDING:
+                    mirror.held, mirror.holder = True, self.holder
+                    raise _Refused(self.holder)
+                if mirror.refused and state == "idle":
+                    # Refused (held when asked), then idle again before this task
+                    # looked: the process will not release it unless asked again.
+                    mirror.refused = False
+                    self.post({"op": "release", "id": mirror.id})
+                await mirror.reported.wait()
+        finally:
+            mirror.asking = False
 
     def lost(self) -> None:
         """The process is gone: its entries leave the daemon's books at once."""
@@ -571,6 +679,8 @@ class Connection:
         runner.apply()
         for space in self.caches.values():
             space.closed.set()
+        self.daemon.expected.discard(self.pid)  # (gone before it registered: nothing held)
+        self.daemon.forget_peer(self)
         runner.emit(
             "info",
             ev.PEER_GONE,
@@ -587,9 +697,23 @@ def _measured(charge: object) -> object:
 
 
 class Daemon:
-    """Serves one broker to the processes that connect to ``address``."""
+    """Serves one broker to the processes that connect to ``address``.
 
-    def __init__(self, broker: DaemonBroker, address: str, *, uid: int | None = None) -> None:
+    A restarted daemon does not know what the processes of the one before it
+    hold until they register again, so it grants nothing (``gate``) until
+    every process listed in the peers file (``address`` + ``.peers``, kept
+    by every daemon: the pids of the processes that opened a cache) has
+    registered, or ended, or ``grace`` seconds passed.
+    """
+
+    def __init__(
+        self,
+        broker: DaemonBroker,
+        address: str,
+        *,
+        uid: int | None = None,
+        grace: float = GRACE,
+    ) -> None:
         self.broker = broker
         self.runner = broker._runner
         self.address = address
@@ -603,6 +727,86 @@ class Daemon:
         books = self.runner.core
         if isinstance(books, DaemonBooks):
             books.wanted = self.want
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+            raise InvalidArgument(f"grace must be a non-negative number of seconds, got {grace!r}")
+        self.grace = float(grace)
+        #: Set once requests may be granted (``run``).
+        self.gate = anyio.Event()
+        #: The previous daemon's processes, still alive, that have not registered yet.
+        self.expected: set[int] = set()
+        #: The pids in the peers file as last written (``None``: not written yet).
+        self._peers: frozenset[int] | None = None
+
+    @property
+    def peers_path(self) -> str:
+        """The file listing the processes this daemon serves, for the daemon after it."""
+        return self.address + ".peers"
+
+    def note_peer(self, connection: Connection) -> None:
+        """``connection`` opened a cache: its process holds what it loads from now on."""
+        self._write_peers()
+
+    def forget_peer(self, connection: Connection) -> None:
+        """``connection`` ended: its process holds nothing of this daemon's any more."""
+        self._write_peers(leaving=connection)
+
+    def registered(self, connection: Connection) -> None:
+        """``connection``'s process said all it holds (after a restart: ``register``)."""
+        if connection.pid in self.expected:
+            self.expected.discard(connection.pid)
+            self._open_gate_if_due()
+
+    def _open_gate_if_due(self) -> None:
+        if not self.gate.is_set() and not self.expected:
+            self.gate.set()
+            self.runner.emit("info", ev.DAEMON_READY, address=self.address, waited_for=[])
+
+    def _write_peers(self, leaving: Connection | None = None) -> None:
+        pids = frozenset(
+            c.pid
+            for c in self.connections.values()
+            if c.opened and c is not leaving and c.pid != os.getpid()
+        )
+        pids |= self.expected  # (not registered yet: still the memory of the daemon before)
+        if pids == self._peers:
+            return
+        self._peers = pids
+        temporary = f"{self.peers_path}.{os.getpid()}"
+        try:
+            with open(temporary, "w", opener=_private) as file:
+                json.dump({"pids": sorted(pids)}, file)
+            os.replace(temporary, self.peers_path)
+        except OSError as exc:
+            self.runner.emit("warning", ev.PEERS_UNSAVED, address=self.address, error=repr(exc))
+
+    def _read_peers(self) -> set[int]:
+        """The live processes of the daemon before this one (an unreadable file: none)."""
+        try:
+            with open(self.peers_path) as file:
+                pids = json.load(file).get("pids", [])
+        except (OSError, ValueError, AttributeError):
+            return set()
+        return {pid for pid in pids if type(pid) is int and pid > 0 and _alive(pid)}
+
+    async def _hold_gate(self) -> None:
+        """Open the gate once the expected processes registered or ended, or at the grace's end."""
+        waited = sorted(self.expected)
+        self.runner.emit(
+            "warning", ev.DAEMON_WAITING, address=self.address, pids=waited, grace=self.grace
+        )
+        with anyio.move_on_after(self.grace):
+            while self.expected:
+                self.expected = {pid for pid in self.expected if _alive(pid)}
+                if not self.expected:
+                    break
+                await anyio.sleep(GATE_POLL)
+        if not self.gate.is_set():
+            missing = sorted(self.expected)
+            self.expected.clear()
+            self.gate.set()
+            self.runner.emit(
+                "info", ev.DAEMON_READY, address=self.address, waited_for=waited, missing=missing
+            )
 
     def want(self, entry: Entry) -> None:
         """A waiter is blocked by leased ``entry``: its process is to offer it when idle."""
@@ -634,8 +838,14 @@ class Daemon:
         """Listen on ``address`` until cancelled; the socket is removed on the way out."""
         listener = await _listen(self.address)
         inode = os.stat(self.address).st_ino
+        self.expected = self._read_peers() - {os.getpid()}
         try:
-            async with self.broker, listener:
+            async with self.broker, listener, anyio.create_task_group() as tg:
+                if self.expected:
+                    tg.start_soon(self._hold_gate)
+                else:
+                    self.gate.set()
+                self._write_peers()
                 task_status.started()
                 await listener.serve(self._handle)
         finally:
@@ -767,6 +977,25 @@ class Daemon:
             "processes": sorted({c.pid for c in self.connections.values() if c is not asking}),
             "entries": entries,
         }
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (one of another user's counts; a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    try:  # (Linux: a process that ended, not yet reaped by its parent, holds no memory)
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            return file.read().rpartition(b")")[2].split()[:1] != [b"Z"]
+    except OSError:
+        return True
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)
 
 
 # ---------------------------------------------------------------- the socket

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -16,7 +17,7 @@ from .._shell._config import _parse_env_ttl
 from .._sizes import parse_bytes
 from .._units import format_bytes
 from ..probes import NvidiaGPU, Probe, SystemMemory
-from ._daemon import Daemon, DaemonBroker
+from ._daemon import GRACE, Daemon, DaemonBroker
 from ._protocol import default_address
 
 __all__ = ["add_parser", "parse_budget_spec", "run"]
@@ -94,6 +95,12 @@ def add_parser(commands: Any, name: str, help: str) -> None:
         help="seconds a process has to release an entry before it is quarantined (default: 30)",
     )
     parser.add_argument(
+        "--grace",
+        default=str(GRACE),
+        help="after a restart, seconds to wait at most for the processes of the daemon before "
+        "to register what they hold, before granting anything (default: %(default)s)",
+    )
+    parser.add_argument(
         "--log-level", choices=sorted(_LEVELS), default="info", help="events shown on stderr"
     )
 
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         budget = parse_budget_spec(args.budget)
         idle_ttl = None if args.idle_ttl is None else _parse_env_ttl(args.idle_ttl)
         release_timeout = _parse_env_ttl(args.release_timeout)
+        grace = _parse_seconds(args.grace, "--grace")
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     address = args.socket or os.environ.get("CACHEBROKER_ADDRESS") or default_address()
@@ -128,7 +136,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
-    daemon = Daemon(broker, address)
+    daemon = Daemon(broker, address, grace=grace)
     try:
         anyio.run(_serve, daemon)
     except KeyboardInterrupt:
@@ -140,6 +148,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"cachebroker serve: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _parse_seconds(raw: str, what: str) -> float:
+    """``raw`` as a non-negative number of seconds, or an error naming ``what``."""
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{what} must be a number of seconds, got {raw!r}") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what} must be a non-negative number of seconds, got {raw!r}")
+    return seconds
 
 
 def _broker_error(exc: BaseException) -> BrokerError | None:

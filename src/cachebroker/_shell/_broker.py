@@ -198,6 +198,10 @@ class Broker:
         *,
         logger: Any = None,
         oom_errors: type[BaseException] | tuple[type[BaseException], ...] = (),
+        reconnect: bool = True,
+        reconnect_delay: float = 0.05,
+        reconnect_max_delay: float = 1.0,
+        reconnect_timeout: float | None = None,
     ) -> Broker:
         """A broker backed by the machine's shared one (``cachebroker serve``).
 
@@ -211,22 +215,47 @@ class Broker:
         process; hits on entries this process holds need no round trip.
 
         Entering raises ``BrokerClosed`` naming the address when no broker
-        answers there. If the daemon goes away later, leases held keep
-        working and each operation that needs it raises ``BrokerClosed``;
-        connect again to go on.
+        answers there. If the daemon goes away later (a restart, an
+        upgrade), the broker connects again by itself, with backoff, and
+        registers everything this process holds before the new daemon grants
+        anything to others; meanwhile leases and hits go on working and
+        requests that need the daemon wait, each within its own timeout
+        (``docs/processes.md``). With ``reconnect=False``, or once
+        ``reconnect_timeout`` has passed, each operation that needs the
+        daemon raises ``BrokerClosed``; connect again to go on.
 
         Args:
             address: The daemon's socket path.
             logger: As for ``Broker``.
             oom_errors: As for ``Broker``: free and retry frees this process's
                 own idle entries.
-        """
-        from .._remote._client import ClientRunner  # (the transport, only when asked for)
+            reconnect: Whether to connect again when the daemon goes away.
+            reconnect_delay: Seconds before the first try; each failed try
+                doubles the wait ...
+            reconnect_max_delay: ... up to this many seconds.
+            reconnect_timeout: Seconds without a daemon after which the broker
+                gives up (``None``: it never does).
 
+        .. versionchanged:: 0.1.0
+           ``reconnect`` and its settings.
+        """
+        from .._remote._client import ClientRunner, Reconnect  # (only when asked for)
+
+        if not isinstance(reconnect, bool):
+            raise TypeError(f"reconnect must be True or False, got {reconnect!r}")
+        delay = positive_seconds(reconnect_delay, "reconnect_delay")
+        max_delay = positive_seconds(reconnect_max_delay, "reconnect_max_delay")
+        if delay is None or max_delay is None or max_delay < delay:
+            raise InvalidArgument(
+                f"reconnect_delay ({reconnect_delay!r}) and reconnect_max_delay "
+                f"({reconnect_max_delay!r}) must be seconds, the first at most the second"
+            )
+        timeout = positive_seconds(reconnect_timeout, "reconnect_timeout", inf_is_none=True)
         runner = ClientRunner(
             _address(address),
             logger=_logging.check_logger(logger),
             oom_errors=oom_error_types(oom_errors),
+            reconnect=Reconnect(reconnect, delay, max_delay, timeout),
         )
         broker = cls.__new__(cls)
         broker._core = runner.core

@@ -1401,6 +1401,31 @@ class Runner:
         self.apply()
         return await self._wait(ticket, timeout)
 
+    def adopt(
+        self,
+        owner: Owner,
+        key: Hashable,
+        load: Callable[[], Any],
+        measure: Callable[[Any], Any],
+        charge: dict[str, int],
+        *,
+        priority: int | None = None,
+    ) -> Ticket:
+        """Take on an entry another broker granted (``Core.adopt``), in this step.
+
+        ``load`` returns what the entry's owner says of it once it says so
+        (``measure`` reads its charge from that); ``settle(ticket)`` waits
+        for it, as ``request`` waits for a load.
+        """
+        ticket = self.core.adopt(owner, key, charge, self.current_task(), priority=priority)
+        ticket.entry.shell = _Slot(load, measure, self.clock())
+        self.apply()
+        return ticket
+
+    async def settle(self, ticket: Ticket) -> tuple[Entry, object]:
+        """Wait for an adopted entry's load (``adopt``): the entry and the lease's holder."""
+        return await self._wait(ticket, None)
+
     async def prefetch(
         self,
         owner: Owner,
