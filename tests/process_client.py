@@ -323,9 +323,129 @@ async def memory_run(address: str, signals: str, config: Config) -> None:
     say("closed")
 
 
+# ------------------------------------------------------------------ shared books
+
+
+class SharedBooks:
+    """Every process's real bytes in one block of shared memory: ``pid, held, peak`` a slot.
+
+    A process adds what its loader allocates and subtracts what its releaser
+    (or a failed or cancelled load) frees; at every allocation it sums the
+    slots of the processes still running (a process that ended, a zombie
+    included, holds nothing: the operating system has its memory back) and
+    keeps the highest sum it saw as its slot's peak.
+    """
+
+    SLOT = 3
+
+    def __init__(self, name: str, slot: int) -> None:
+        from multiprocessing import resource_tracker, shared_memory
+
+        self.memory = shared_memory.SharedMemory(name=name)
+        # Attached, not owned: this process's exit must not unlink it (before 3.13,
+        # attaching registers it with this process's resource tracker).
+        resource_tracker.unregister(self.memory._name, "shared_memory")  # type: ignore[attr-defined]
+        assert self.memory.buf is not None
+        self.cells = self.memory.buf.cast("q")
+        self.slot = slot
+        self.cells[slot * self.SLOT] = os.getpid()
+        self.slots = len(self.cells) // self.SLOT
+
+    def allocate(self, size: int) -> None:
+        cells, at = self.cells, self.slot * self.SLOT
+        cells[at + 1] += size
+        total = sum(
+            cells[i * self.SLOT + 1]
+            for i in range(self.slots)
+            if i == self.slot or running(cells[i * self.SLOT])
+        )
+        cells[at + 2] = max(cells[at + 2], total)
+
+    def free(self, size: int) -> None:
+        self.cells[self.slot * self.SLOT + 1] -= size
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (Linux: not gone, not a zombie)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            return file.read().rpartition(b")")[2].split()[:1] != [b"Z"]
+    except OSError:
+        return False
+
+
+class Failing(Exception):
+    """A load or a release that fails on purpose."""
+
+
+async def shared_run(address: str, signals: str, config: Config) -> None:
+    """Tasks acquiring keys of honest sizes, under cancellation, load and release failures.
+
+    ``size=`` is the bytes the loader allocates (``SharedBooks``); the releaser
+    frees them, except the few releases that fail on purpose, whose bytes stay
+    allocated (and quarantined in the books) until the process ends.
+    """
+    books = SharedBooks(config["memory"], config["slot"])
+    rng = random.Random(config["seed"])
+    failures_left = config.get("release_failures", 2)
+
+    async def release(key: Hashable, value: Any) -> None:
+        nonlocal failures_left
+        await anyio.sleep(rng.random() * 0.002)
+        if failures_left and rng.random() < 0.05:
+            failures_left -= 1
+            raise Failing(f"the release of {key!r} fails on purpose")
+        books.free(value)
+
+    def loader(size: int) -> Callable[[], Awaitable[int]]:
+        async def load() -> int:
+            books.allocate(size)
+            try:
+                await anyio.sleep(rng.random() * 0.003)
+                if rng.random() < config.get("load_failures", 0.05):
+                    raise Failing("the load fails on purpose")
+            except BaseException:
+                books.free(size)
+                raise
+            return size
+
+        return load
+
+    outcomes: Counter[str] = Counter()
+
+    async def task(cache: Cache) -> None:
+        for _ in range(config["ops"]):
+            key = rng.randrange(config["keys"])
+            size = config["sizes"][key % len(config["sizes"])]
+            lease = cache.acquire(key, load=loader(size), size=size, timeout=config["timeout"])
+            try:
+                if rng.random() < config.get("cancel", 0.05):
+                    with anyio.move_on_after(0.003) as scope:
+                        async with lease:
+                            await anyio.sleep(rng.random() * 0.003)
+                    outcomes["cancelled" if scope.cancelled_caught else "held"] += 1
+                else:
+                    async with lease:
+                        await anyio.sleep(rng.random() * 0.003)
+                    outcomes["held"] += 1
+            except Exception as exc:
+                outcomes[type(exc).__name__] += 1
+
+    async with Broker.connect(address) as broker:
+        async with broker.cache("shared", release) as cache:
+            say("started")
+            async with anyio.create_task_group() as tg:
+                for _ in range(config["tasks"]):
+                    tg.start_soon(task, cache)
+            say("done", outcomes=dict(outcomes))
+    say("closed")
+
+
 # ------------------------------------------------------------------ main
 
-MODES = {"steps": steps_run, "random": random_run, "memory": memory_run}
+MODES = {"steps": steps_run, "random": random_run, "memory": memory_run, "shared": shared_run}
 
 
 def main() -> None:

@@ -324,6 +324,71 @@ async def test_random_acquires_of_three_processes_share_one_budget(procs: Procs)
             assert not daemon.connections and not daemon.owners
 
 
+# ------------------------------------------------------------------ shared books of real bytes
+
+SHARED_BUDGET = 1000
+
+
+@one_backend
+async def test_processes_under_cancellation_failures_and_sigkill_never_hold_more_than_the_budget(
+    procs: Procs,
+) -> None:
+    """Invariant: the bytes that all processes' loaders hold at once (each process's own
+    books in shared memory, summed at every allocation over the processes still running)
+    never exceed the shared budget, under cancelled acquires, failing loads, failing
+    releases and a process killed mid-run; the daemon's books are empty at the end."""
+    from multiprocessing import shared_memory
+
+    from tests.process_client import SharedBooks
+
+    clients = 3
+    memory = shared_memory.SharedMemory(create=True, size=8 * SharedBooks.SLOT * clients)
+    buffer = memory.buf
+    assert buffer is not None
+    try:
+        buffer[:] = bytes(len(buffer))
+        with anyio.fail_after(120):
+            await procs.daemon(str(SHARED_BUDGET))
+            runs = [
+                procs.client(
+                    f"shared{slot}",
+                    {
+                        "mode": "shared",
+                        "memory": memory.name,
+                        "slot": slot,
+                        "seed": slot,
+                        "tasks": 30,
+                        "ops": 12,
+                        "keys": 12,
+                        "sizes": [50, 100, 150],
+                        "timeout": 30,
+                        "release_failures": 1,
+                        "load_failures": 0.05,
+                        "cancel": 0.05,
+                    },
+                )
+                for slot in range(clients)
+            ]
+            for run in runs:
+                await run.wait_for("started")
+            await anyio.sleep(0.3)  # (mid-run: its loads, leases and releases in flight)
+            runs[0].kill(signal.SIGKILL)
+            for run in runs[1:]:
+                done = await run.wait_for("done")
+                assert set(done["outcomes"]) <= {"held", "cancelled", "Failing"}, done
+                assert await run.exit() == 0, run.stderr()
+            cells = buffer.cast("q")
+            peaks = [cells[slot * SharedBooks.SLOT + 2] for slot in range(clients)]
+            cells.release()
+            assert 0 < max(peaks) <= SHARED_BUDGET, peaks
+            while (await procs.listing())["entries"]:
+                await anyio.sleep(0.01)
+    finally:
+        del buffer
+        memory.close()
+        memory.unlink()
+
+
 # ------------------------------------------------------------------ real memory
 
 BUFFER = 150 * 10**6

@@ -304,6 +304,9 @@ class Link:
         self.online = True
         #: Whether ``run`` serves the connection (once it ended, nothing more is sent).
         self.running = False
+        #: Names this broker to the daemon across reconnections: the bytes a daemon
+        #: kept for it after a lost connection are given back once it registered again.
+        self.session = os.urandom(8).hex()
         self.stream: anyio.abc.SocketStream | None = None
         self.rx: BufferedByteReceiveStream | None = None
         self._ids = itertools.count(1)
@@ -352,7 +355,7 @@ class Link:
                             f"the socket at {address} is served by user {uid}, not by you "
                             f"(user {os.getuid()}): refusing to use it"
                         )
-                    self.rx, welcome = await wire.greet(stream)
+                    self.rx, welcome = await wire.greet(stream, self.session)
                 except BaseException:
                     await anyio.aclose_forcefully(stream)
                     raise

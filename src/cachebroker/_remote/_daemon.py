@@ -262,8 +262,17 @@ class _Space:
 class Connection:
     """One connected process."""
 
-    def __init__(self, daemon: Daemon, stream: anyio.abc.SocketStream, serial: int, pid: int):
+    def __init__(
+        self,
+        daemon: Daemon,
+        stream: anyio.abc.SocketStream,
+        serial: int,
+        pid: int,
+        session: str | None = None,
+    ):
         self.daemon = daemon
+        #: The connected broker's name across its reconnections (``hello``).
+        self.session = session
         self.runner = daemon.runner
         self.stream = stream
         self.serial = serial
@@ -668,6 +677,8 @@ class Connection:
                 count += 1
                 for name, amount in entry.charge.items():
                     freed[name] = freed.get(name, 0) + amount
+        if freed:
+            self.daemon.keep(self, freed)  # (before they leave: never a moment uncharged)
         for space in self.opened:
             if space.block is not None:
                 core.drop_owner(space.block.owner)
@@ -736,6 +747,10 @@ class Daemon:
         self.expected: set[int] = set()
         #: The pids in the peers file as last written (``None``: not written yet).
         self._peers: frozenset[int] | None = None
+        #: The daemon's own owner of the bytes kept for lost connections (``keep``),
+        #: and each kept broker's event, set when it registers again.
+        self._gone_block: Block | None = None
+        self._kept: dict[str, anyio.Event] = {}
 
     @property
     def peers_path(self) -> str:
@@ -752,9 +767,43 @@ class Daemon:
 
     def registered(self, connection: Connection) -> None:
         """``connection``'s process said all it holds (after a restart: ``register``)."""
+        back = self._kept.pop(connection.session, None) if connection.session else None
+        if back is not None:
+            back.set()  # what it held before is charged again by its own entries
         if connection.pid in self.expected:
             self.expected.discard(connection.pid)
             self._open_gate_if_due()
+
+    def keep(self, connection: Connection, charge: dict[str, int]) -> None:
+        """``connection`` ended, its process may live on: keep ``charge`` booked meanwhile.
+
+        A process that lost its connection (or closed its broker with values
+        quarantined or still leased) may still hold that memory. It stays
+        charged, as a loading entry of the daemon's own that nobody can evict,
+        until the process ends or the same broker registers again
+        (``registered``). A peer of this very process (or of no known pid) is
+        taken at its word: its bytes come back at once.
+        """
+        if connection.pid in (0, os.getpid()) or self._gone_block is None:
+            return
+        back = anyio.Event()
+        if connection.session:
+            self._kept[connection.session] = back
+        key = _Key(-connection.serial, f"<held by process {connection.pid}>")
+        self.runner.adopt(
+            self._gone_block.owner,
+            key,
+            functools.partial(self._hold, connection.pid, back),
+            _measured,
+            charge,
+        )
+
+    async def _hold(self, pid: int, back: anyio.Event) -> object:
+        """Hold a lost connection's bytes until process ``pid`` ends or registers again."""
+        while not back.is_set() and _alive(pid):
+            with anyio.move_on_after(GATE_POLL):
+                await back.wait()
+        raise LoadFailed(f"process {pid} ended or registered again: its bytes are back")
 
     def _open_gate_if_due(self) -> None:
         if not self.gate.is_set() and not self.expected:
@@ -840,14 +889,21 @@ class Daemon:
         inode = os.stat(self.address).st_ino
         self.expected = self._read_peers() - {os.getpid()}
         try:
-            async with self.broker, listener, anyio.create_task_group() as tg:
-                if self.expected:
-                    tg.start_soon(self._hold_gate)
-                else:
-                    self.gate.set()
-                self._write_peers()
-                task_status.started()
-                await listener.serve(self._handle)
+            async with self.broker:
+                gone = self._gone_block = await self.runner.open_block(_GONE, _nothing)
+                try:
+                    async with listener, anyio.create_task_group() as tg:
+                        if self.expected:
+                            tg.start_soon(self._hold_gate)
+                        else:
+                            self.gate.set()
+                        self._write_peers()
+                        task_status.started()
+                        await listener.serve(self._handle)
+                finally:
+                    self._gone_block = None
+                    with contextlib.suppress(LeasesOutstanding):
+                        await self.runner.close_block(gone, None, None, None)
         finally:
             _unlink(self.address, inode)
 
@@ -884,12 +940,14 @@ class Daemon:
                     return
                 claimed = hello.get("pid")
                 pid = pid if pid is not None else claimed if isinstance(claimed, int) else 0
+                session = hello.get("session")
+                session = session if isinstance(session, str) and len(session) <= 64 else None
             except (anyio.EndOfStream, anyio.IncompleteRead):
                 return  # it closed without a word (another daemon checking the socket is live)
             except (ProtocolError, TimeoutError) as exc:
                 log.emit("error", ev.PEER_FAILED, address=self.address, pid=pid, error=repr(exc))
                 return
-            connection = Connection(self, stream, next(self._serials), pid)
+            connection = Connection(self, stream, next(self._serials), pid, session)
             self.connections[connection.serial] = connection
             connection.post({"op": "welcome", "version": wire.VERSION, **self.settings()})
             log.emit("info", ev.PEER_CONNECTED, address=self.address, pid=pid)
@@ -977,6 +1035,14 @@ class Daemon:
             "processes": sorted({c.pid for c in self.connections.values() if c is not asking}),
             "entries": entries,
         }
+
+
+#: The daemon's own owner of the bytes it keeps for lost connections (``Daemon.keep``).
+_GONE = "(connections ended)"
+
+
+async def _nothing(key: object, value: object) -> None:
+    """The releaser of kept bytes: never asked (they are loading until given back)."""
 
 
 def _alive(pid: int) -> bool:

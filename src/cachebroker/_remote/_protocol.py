@@ -116,10 +116,16 @@ async def receive(reader: BufferedByteReceiveStream) -> dict[str, Any]:
 
 
 async def greet(
-    stream: anyio.abc.SocketStream,
+    stream: anyio.abc.SocketStream, session: str | None = None
 ) -> tuple[BufferedByteReceiveStream, dict[str, Any]]:
-    """Say ``hello``; the reader, and the daemon's answer (``welcome`` or ``error``)."""
-    await send(stream, {"op": "hello", "version": VERSION, "pid": os.getpid()})
+    """Say ``hello``; the reader, and the daemon's answer (``welcome`` or ``error``).
+
+    ``session`` names the connected broker across its reconnections.
+    """
+    hello: dict[str, Any] = {"op": "hello", "version": VERSION, "pid": os.getpid()}
+    if session is not None:
+        hello["session"] = session
+    await send(stream, hello)
     reader = BufferedByteReceiveStream(stream)
     return reader, await receive(reader)
 
