@@ -24,11 +24,13 @@ the number the process gave it and shown by its key's ``repr``:
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import itertools
+import math
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -47,14 +49,31 @@ from ._protocol import ProtocolError
 
 __all__ = ["Daemon", "DaemonBroker"]
 
-#: Seconds a new connection has to say hello.
+#: Seconds a new connection has to say hello (``Daemon(hello_timeout=...)``).
 HELLO_TIMEOUT = 10.0
+
+#: How many connections may await their hello at once (``Daemon(max_pending=...)``);
+#: one more closes the oldest (``_Awaiting``).
+MAX_PENDING = 128
+
+#: Seconds to wait after ``accept()`` failed, at first and at most: the wait doubles
+#: from one failure to the next, and starts again at the first once one succeeds.
+ACCEPT_BACKOFF = (0.01, 1.0)
+
+#: How ``accept()`` may fail and then succeed again: out of file descriptors, buffers
+#: or memory (until connections close), or a connection aborted before it was accepted.
+_TRANSIENT = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
+)
 
 #: What a process's report may say of its entry.
 _REPORTS = frozenset({"held", "pinned", "idle", "releasing", "quarantined", "gone"})
 
 #: Reports that hold the entry (leased, or pinned): it is no victim.
 _HOLDING = frozenset({"held", "pinned"})
+
+#: How reading from a process ends when it closed its connection, or died.
+_ENDED = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError)
 
 _REASONS = {reason.value: reason for reason in Reason}
 
@@ -259,6 +278,8 @@ class Connection:
         self.outbox: list[dict[str, Any]] = []
         self.wake = anyio.Event()
         self.tg: anyio.abc.TaskGroup | None = None
+        #: The level of its ``peer.connected`` and ``peer.gone`` (debug for ``cachebroker ps``).
+        self.level = "info"
 
     def post(self, message: dict[str, Any]) -> None:
         """Queue ``message`` for the writer."""
@@ -572,7 +593,7 @@ class Connection:
         for space in self.caches.values():
             space.closed.set()
         runner.emit(
-            "info",
+            self.level,
             ev.PEER_GONE,
             address=self.daemon.address,
             pid=self.pid,
@@ -589,12 +610,33 @@ def _measured(charge: object) -> object:
 class Daemon:
     """Serves one broker to the processes that connect to ``address``."""
 
-    def __init__(self, broker: DaemonBroker, address: str, *, uid: int | None = None) -> None:
+    def __init__(
+        self,
+        broker: DaemonBroker,
+        address: str,
+        *,
+        uid: int | None = None,
+        max_pending: int = MAX_PENDING,
+        hello_timeout: float = HELLO_TIMEOUT,
+    ) -> None:
         self.broker = broker
         self.runner = broker._runner
         self.address = address
         #: The only user whose processes may connect.
         self.uid = os.getuid() if uid is None else uid
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int):
+            raise TypeError(f"max_pending must be a number of connections, got {max_pending!r}")
+        if max_pending < 1:
+            raise InvalidArgument(f"max_pending must be at least 1, got {max_pending!r}")
+        #: The connections awaiting their hello.
+        self.awaiting = _Awaiting(max_pending)
+        if isinstance(hello_timeout, bool) or not isinstance(hello_timeout, (int, float)):
+            raise TypeError(f"hello_timeout must be a number of seconds, got {hello_timeout!r}")
+        if not 0 < hello_timeout < math.inf:
+            raise InvalidArgument(
+                f"hello_timeout must be a positive number of seconds, got {hello_timeout!r}"
+            )
+        self.hello_timeout = float(hello_timeout)
         self.owners: dict[Any, tuple[Connection, str]] = {}
         self.connections: dict[int, Connection] = {}
         #: The owner names in use.
@@ -635,85 +677,158 @@ class Daemon:
         listener = await _listen(self.address)
         inode = os.stat(self.address).st_ino
         try:
-            async with self.broker, listener:
+            async with self.broker, listener, anyio.create_task_group() as connections:
                 task_status.started()
-                await listener.serve(self._handle)
+                await self._accept(listener, connections)
         finally:
             _unlink(self.address, inode)
 
-    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            log = self.runner
-            uid, pid = wire.peer(stream)
-            reader = BufferedByteReceiveStream(stream)
-            if uid is not None and uid != self.uid:
-                log.emit("error", ev.PEER_REFUSED, address=self.address, uid=uid, pid=pid)
-                # Take its hello first: a socket closed with the hello unread (or
-                # before it was sent) resets the connection, and the peer may never
-                # read why it was refused.
-                with contextlib.suppress(
-                    ProtocolError,
-                    TimeoutError,
-                    anyio.EndOfStream,
-                    anyio.IncompleteRead,
-                    anyio.BrokenResourceError,
-                    OSError,
-                ):
-                    with anyio.fail_after(HELLO_TIMEOUT):
-                        await wire.receive(reader)
-                await _refuse(stream, f"user {uid} may not use the broker of user {self.uid}")
-                return
+    async def _accept(
+        self, listener: anyio.abc.SocketListener, connections: anyio.abc.TaskGroup
+    ) -> None:
+        """Accept connections until cancelled, each served in ``connections``.
+
+        ``listener.serve()`` would end the daemon at the first failure of
+        ``accept()``; but running out of file descriptors (``EMFILE``,
+        ``ENFILE``) or of buffers, or a connection aborted before it was
+        accepted, passes: such a failure is logged (``accept.failed``), waited
+        out (``ACCEPT_BACKOFF``, doubling from one failure to the next) and
+        ``accept()`` tried again, while the connections already there are
+        served and may close.
+        """
+        failures = 0
+        while True:
             try:
-                with anyio.fail_after(HELLO_TIMEOUT):
-                    hello = await wire.receive(reader)
+                stream = await listener.accept()
+            except (anyio.BrokenResourceError, OSError) as exc:
+                # (anyio raises BrokenResourceError from the OSError)
+                error = exc if isinstance(exc, OSError) else exc.__cause__
+                if not isinstance(error, OSError) or error.errno not in _TRANSIENT:
+                    raise
+                failures += 1
+                delay = backoff(failures)
+                self.runner.emit(
+                    "error",
+                    ev.ACCEPT_FAILED,
+                    address=self.address,
+                    error=str(error),
+                    errno=errno.errorcode.get(error.errno or 0, str(error.errno)),
+                    failures=failures,
+                    retry_in=delay,
+                )
+                await anyio.sleep(delay)
+            else:
+                failures = 0
+                connections.start_soon(self._connection, stream)
+
+    async def _connection(self, stream: anyio.abc.SocketStream) -> None:
+        """One connection, from its accept to its end: whatever it raises ends it alone.
+
+        This is the one place where a connection's failure is contained:
+        before its hello, on the way to refusing another user, and while it
+        is served. Any ``Exception`` (a ``ProtocolError``, and a bug's error
+        too) is logged (``peer.failed``) and closes that connection; the
+        daemon's own cancellation, ``KeyboardInterrupt`` and ``SystemExit``
+        are no connection's doing and go through, so that the daemon stops.
+        """
+        pid: int | None = None
+        try:
+            async with stream:
+                uid, pid = wire.peer(stream)
+                reader = BufferedByteReceiveStream(stream)
+                if uid is not None and uid != self.uid:
+                    await self._refuse_user(stream, reader, uid, pid)
+                    return
+                hello = await self._hello(reader)
+                if hello is None:
+                    return  # it closed without a word (another daemon checking the socket is live)
                 if hello["op"] != "hello" or hello.get("version") != wire.VERSION:
                     await _refuse(
                         stream,
-                        f"this broker speaks protocol version {wire.VERSION}, got {hello!r:.120}",
+                        f"this broker speaks protocol version {wire.VERSION}, "
+                        f"got {wire.shown(hello)}",
                     )
                     return
                 claimed = hello.get("pid")
-                pid = pid if pid is not None else claimed if isinstance(claimed, int) else 0
-            except (anyio.EndOfStream, anyio.IncompleteRead):
-                return  # it closed without a word (another daemon checking the socket is live)
-            except (ProtocolError, TimeoutError) as exc:
-                log.emit("error", ev.PEER_FAILED, address=self.address, pid=pid, error=repr(exc))
-                return
-            connection = Connection(self, stream, next(self._serials), pid)
-            self.connections[connection.serial] = connection
-            connection.post({"op": "welcome", "version": wire.VERSION, **self.settings()})
-            log.emit("info", ev.PEER_CONNECTED, address=self.address, pid=pid)
-            try:
-                await self._serve(connection, reader)
-            except Exception as exc:  # one connection's trouble never stops the daemon
-                log.emit("error", ev.PEER_FAILED, address=self.address, pid=pid, error=repr(exc))
-            finally:
-                del self.connections[connection.serial]
-                for space in connection.opened:
-                    if space.block is not None and space.closed.is_set():
-                        self.forget(space.block.owner, space.name)
+                if pid is None:
+                    pid = claimed if type(claimed) is int else 0
+                await self._serve(stream, reader, pid, observer=hello.get("observer") is True)
+        except* Exception as failed:
+            self.runner.emit(
+                "error",
+                ev.PEER_FAILED,
+                address=self.address,
+                pid=pid,
+                error="; ".join(map(_why, _leaves(failed))),
+            )
 
-    async def _serve(self, connection: Connection, reader: BufferedByteReceiveStream) -> None:
-        log = self.runner
-        async with anyio.create_task_group() as tg:
-            connection.tg = tg
-            tg.start_soon(connection.writer)
+    async def _hello(self, reader: BufferedByteReceiveStream) -> dict[str, Any] | None:
+        """A new connection's first message (``None``: it closed without one).
+
+        ``ProtocolError`` for a first frame that is no message or is over
+        ``MAX_HELLO`` bytes, for none within ``hello_timeout``, and for a
+        connection closed to make room for newer ones (``max_pending``).
+        """
+        with self.awaiting.hello():
             try:
-                while True:
-                    await connection.dispatch(await wire.receive(reader))
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError):
-                pass  # the process closed the connection, or died
-            except ProtocolError as exc:
-                log.emit(
-                    "error",
-                    ev.PEER_FAILED,
-                    address=self.address,
-                    pid=connection.pid,
-                    error=str(exc),
-                )
-            finally:
-                connection.lost()
-                tg.cancel_scope.cancel()
+                with anyio.fail_after(self.hello_timeout):
+                    return await wire.receive(reader, wire.MAX_HELLO)
+            except (anyio.EndOfStream, anyio.IncompleteRead):
+                return None
+            except TimeoutError:
+                raise ProtocolError(f"no hello within {self.hello_timeout:g} s") from None
+        raise ProtocolError(
+            f"closed before its hello, the oldest of {self.awaiting.limit} connections "
+            "awaiting theirs (max_pending)"
+        )
+
+    async def _refuse_user(
+        self,
+        stream: anyio.abc.SocketStream,
+        reader: BufferedByteReceiveStream,
+        uid: int,
+        pid: int | None,
+    ) -> None:
+        self.runner.emit("error", ev.PEER_REFUSED, address=self.address, uid=uid, pid=pid)
+        # Take its hello first (whatever it is): a socket closed with the hello unread
+        # (or before it was sent) resets the connection, and the peer may never read
+        # why it was refused.
+        with contextlib.suppress(ProtocolError, anyio.BrokenResourceError, OSError):
+            await self._hello(reader)
+        await _refuse(stream, f"user {uid} may not use the broker of user {self.uid}")
+
+    async def _serve(
+        self,
+        stream: anyio.abc.SocketStream,
+        reader: BufferedByteReceiveStream,
+        pid: int,
+        *,
+        observer: bool,
+    ) -> None:
+        """Welcome a process that said hello, and serve it until it goes."""
+        connection = Connection(self, stream, next(self._serials), pid)
+        # (an observer, ``cachebroker ps``, comes and goes unremarked: at debug level)
+        connection.level = "debug" if observer else "info"
+        self.connections[connection.serial] = connection
+        try:
+            connection.post({"op": "welcome", "version": wire.VERSION, **self.settings()})
+            self.runner.emit(connection.level, ev.PEER_CONNECTED, address=self.address, pid=pid)
+            async with anyio.create_task_group() as tg:
+                connection.tg = tg
+                tg.start_soon(connection.writer)
+                try:
+                    while True:
+                        await connection.dispatch(await wire.receive(reader))
+                except _ENDED:
+                    pass  # the process closed the connection, or died
+                finally:
+                    connection.lost()
+                    tg.cancel_scope.cancel()
+        finally:
+            del self.connections[connection.serial]
+            for space in connection.opened:
+                if space.block is not None and space.closed.is_set():
+                    self.forget(space.block.owner, space.name)
 
     def settings(self) -> dict[str, Any]:
         runner = self.runner
@@ -767,6 +882,56 @@ class Daemon:
             "processes": sorted({c.pid for c in self.connections.values() if c is not asking}),
             "entries": entries,
         }
+
+
+def backoff(failures: int) -> float:
+    """Seconds to wait after ``failures`` failures of ``accept()`` in a row."""
+    first, longest = ACCEPT_BACKOFF
+    return min(longest, first * 2.0 ** min(failures - 1, 64))
+
+
+class _Awaiting:
+    """The connections awaiting their hello, oldest first: at most ``limit`` of them.
+
+    One more closes the oldest. A flood of connections that never speak then
+    ages out as fast as it comes, while a process, which says hello as it
+    connects, is read long before it is the oldest; refusing new connections
+    instead would lock every process out for as long as a flood lasts.
+    """
+
+    __slots__ = ("limit", "scopes")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.scopes: dict[anyio.CancelScope, None] = {}
+
+    @contextlib.contextmanager
+    def hello(self) -> Iterator[anyio.CancelScope]:
+        """A scope around the wait for one connection's hello, cancelled if it becomes too old."""
+        while len(self.scopes) >= self.limit:
+            oldest = next(iter(self.scopes))
+            del self.scopes[oldest]
+            oldest.cancel()
+        scope = anyio.CancelScope()
+        self.scopes[scope] = None
+        try:
+            with scope:
+                yield scope
+        finally:
+            self.scopes.pop(scope, None)
+
+
+def _leaves(group: BaseExceptionGroup[Exception]) -> Iterator[Exception]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+def _why(exc: Exception) -> str:
+    """What a connection's failure says in ``peer.failed``: the protocol's words, or a repr."""
+    return str(exc) if isinstance(exc, ProtocolError) else repr(exc)
 
 
 # ---------------------------------------------------------------- the socket

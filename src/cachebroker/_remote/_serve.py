@@ -16,7 +16,7 @@ from .._shell._config import _parse_env_ttl
 from .._sizes import parse_bytes
 from .._units import format_bytes
 from ..probes import NvidiaGPU, Probe, SystemMemory
-from ._daemon import Daemon, DaemonBroker
+from ._daemon import HELLO_TIMEOUT, MAX_PENDING, Daemon, DaemonBroker
 from ._protocol import default_address
 
 __all__ = ["add_parser", "parse_budget_spec", "run"]
@@ -94,6 +94,17 @@ def add_parser(commands: Any, name: str, help: str) -> None:
         help="seconds a process has to release an entry before it is quarantined (default: 30)",
     )
     parser.add_argument(
+        "--max-pending",
+        default=str(MAX_PENDING),
+        help="connections that may await their hello at once; one more closes the oldest "
+        f"(default: {MAX_PENDING})",
+    )
+    parser.add_argument(
+        "--hello-timeout",
+        default=f"{HELLO_TIMEOUT:g}",
+        help=f"seconds a new connection has to say hello (default: {HELLO_TIMEOUT:g})",
+    )
+    parser.add_argument(
         "--log-level", choices=sorted(_LEVELS), default="info", help="events shown on stderr"
     )
 
@@ -106,6 +117,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         budget = parse_budget_spec(args.budget)
         idle_ttl = None if args.idle_ttl is None else _parse_env_ttl(args.idle_ttl)
         release_timeout = _parse_env_ttl(args.release_timeout)
+        max_pending = _count(args.max_pending, "--max-pending")
+        hello_timeout = _seconds(args.hello_timeout, "--hello-timeout")
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     address = args.socket or os.environ.get("CACHEBROKER_ADDRESS") or default_address()
@@ -128,7 +141,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
-    daemon = Daemon(broker, address)
+    daemon = Daemon(broker, address, max_pending=max_pending, hello_timeout=hello_timeout)
     try:
         anyio.run(_serve, daemon)
     except KeyboardInterrupt:
@@ -140,6 +153,26 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"cachebroker serve: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _count(raw: str, what: str) -> int:
+    try:
+        count = int(raw)
+    except ValueError:
+        raise ValueError(f"{what} must be a whole number, got {raw!r}") from None
+    if count < 1:
+        raise ValueError(f"{what} must be at least 1, got {raw!r}")
+    return count
+
+
+def _seconds(raw: str, what: str) -> float:
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{what} must be a number of seconds, got {raw!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{what} must be a positive number of seconds, got {raw!r}")
+    return seconds
 
 
 def _broker_error(exc: BaseException) -> BrokerError | None:
