@@ -109,9 +109,9 @@ def codecs() -> dict[str, Codec]:
     return found
 
 
-def per_call(function: Callable[[], object], number: int) -> float:
-    """Microseconds per call: the best of five runs of ``number`` calls."""
-    return min(timeit.repeat(function, number=number, repeat=5)) / number * 1e6
+def per_call(function: Callable[[], object], number: int, repeat: int = 15) -> float:
+    """Microseconds per call: the best of ``repeat`` runs of ``number`` calls."""
+    return min(timeit.repeat(function, number=number, repeat=repeat)) / number * 1e6
 
 
 def bomb_for(name: str) -> bytes:
@@ -147,18 +147,29 @@ def main() -> None:
         seconds = per_call(lambda: _attempt(decode, bomb), 20) / 1e6  # noqa: B023
         print(f"{name:30} {outcome} ({seconds * 1e3:.2f} ms)")
     print()
-    print(f"{'16 MiB frame':40} check_depth ms")
+    print(f"{'16 MiB frame':40} {'check_depth ms':>14} {'json.loads ms':>14}")
     size = wire.MAX_FRAME
     nested = b"[" * wire.MAX_DEPTH + b"0" + b"]" * wire.MAX_DEPTH
-    for label, frame in {
-        "[] repeated (depth 1)": b"[]" * (size // 2),
-        f"depth {wire.MAX_DEPTH} repeated (the most rounds)": nested * (size // len(nested)),
-        '"[" strings (brackets in strings)': b'"["' * (size // 3),
-        '\\" escapes': b'\\"[' * (size // 4),
+    for label, body in {
+        "[0] repeated (depth 1)": b"[" + b"[0]," * (size // 4 - 1) + b"0]",
+        f"depth {wire.MAX_DEPTH} repeated (the most rounds)": (
+            b"[" + (nested + b",") * (size // (len(nested) + 1) - 1) + b"0]"
+        ),
+        '"[" strings (brackets in strings)': b"[" + b'"[",' * (size // 4 - 1) + b"0]",
+        '"[" strings in arrays': b"[" + b'["["],' * (size // 6 - 1) + b"0]",
+        '"\\"[" strings (escapes)': b"[" + b'"\\"[",' * (size // 7 - 1) + b"0]",
         "[ repeated (the bomb)": b"[" * size,
     }.items():
-        seconds = per_call(lambda: _attempt(wire.check_depth, frame), 3) / 1e6  # noqa: B023
-        print(f"{label:40} {seconds * 1e3:10.1f}")
+        checking = per_call(lambda: _attempt(wire.check_depth, body), 1, 3) / 1e3  # noqa: B023
+        loading = per_call(lambda: _attempt(json.loads, body), 1, 3) / 1e3  # noqa: B023
+        print(f"{label:40} {checking:14.1f} {loading:14.1f}")
+    print()
+    print(f"{'the depth check alone':30} {'message':8} {'us':>10}")
+    for label, message in messages.items():
+        body = wire.encode(message)[4:]
+        number = max(1, args.number // 200) if label.startswith("ps") else args.number
+        checking = per_call(lambda: wire.check_depth(body), number)  # noqa: B023
+        print(f"{'check_depth':30} {label:8} {checking:10.2f}")
 
 
 def _attempt(decode: Callable[[bytes], Any], body: bytes) -> None:

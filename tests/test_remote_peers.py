@@ -31,6 +31,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cachebroker import Broker, BrokerClosed
+from cachebroker.__main__ import main
 from cachebroker._remote import _daemon, _ps
 from cachebroker._remote import _protocol as wire
 from cachebroker._remote._daemon import Daemon, DaemonBroker
@@ -498,6 +499,25 @@ def test_the_daemon_s_limits_are_checked(
 ) -> None:
     with pytest.raises(error, match=message):
         Daemon(DaemonBroker(100), "/tmp/x.sock", **options)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--max-pending", "0"], "--max-pending must be at least 1, got '0'"),
+        (["--max-pending", "many"], "--max-pending must be a whole number, got 'many'"),
+        (["--hello-timeout", "-1"], "--hello-timeout must be a positive number of seconds"),
+        (["--hello-timeout", "inf"], "--hello-timeout must be a positive number of seconds"),
+        (["--hello-timeout", "soon"], "--hello-timeout must be a number of seconds, got 'soon'"),
+    ],
+)
+def test_serve_says_what_is_wrong_with_its_limits(
+    option: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--budget", "1MiB", "--socket", "/tmp/unused.sock", *option])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @linux

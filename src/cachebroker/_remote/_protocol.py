@@ -7,14 +7,15 @@ object with an ``"op"``. The message set is small and documented in
 versions refuse each other with a clear error instead of misreading.
 
 JSON from the standard library: a typical message encodes and decodes in
-about 5 µs, under a tenth of a round trip over the socket (about 70 µs), and
-the protocol needs no dependency. What a hostile peer could make of it is
-bounded before ``json.loads`` sees a frame: its length (``MAX_FRAME``, and
-``MAX_HELLO`` for the first frame of a connection), its nesting
-(``MAX_DEPTH``, found by ``check_depth`` in a linear pass at C speed, so a
-depth bomb is a ``ProtocolError``, never a ``RecursionError``), and its
-numbers (``NaN`` and ``Infinity`` are refused). ``benchmarks/framing.py``
-measures this beside msgpack and msgspec (docs/processes.md, "The protocol").
+5 to 20 µs, a fraction of a round trip over the socket (about 70 µs), and
+the protocol needs no dependency (msgpack and msgspec, measured beside it
+by ``benchmarks/framing.py``, would save about 10 µs a message). What a
+hostile peer could make of it is bounded before ``json.loads`` sees a
+frame: its length (``MAX_FRAME``, and ``MAX_HELLO`` for the first frame of
+a connection), its nesting (``MAX_DEPTH``, found by ``check_depth`` in a
+linear pass at C speed, so a depth bomb is a ``ProtocolError``, never a
+``RecursionError``), and its numbers (``NaN`` and ``Infinity`` are
+refused). See docs/processes.md, "What a peer may send".
 """
 
 from __future__ import annotations
@@ -172,6 +173,9 @@ def check_depth(body: bytes) -> None:
     if b"\\" in body:
         body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
     structure = body.translate(_PARENS, _NOT_STRUCTURE)
+    # Two quotes with no bracket between them hold none inside a string, or none
+    # between two strings: they go, and the quotes after them keep their parity.
+    structure = structure.replace(b'""', b"")
     if b'"' in structure:
         structure = b"".join(structure.split(b'"')[::2])
     for _ in range(MAX_DEPTH):
