@@ -608,7 +608,13 @@ def _measured(charge: object) -> object:
 
 
 class Daemon:
-    """Serves one broker to the processes that connect to ``address``."""
+    """Serves one broker to the processes that connect to ``address``.
+
+    No peer stops it: what one connection does ends that connection at most
+    (``_connection``), connections awaiting their hello are bounded
+    (``max_pending``, ``hello_timeout``), and ``accept()`` failing for want
+    of descriptors is waited out (``_accept``).
+    """
 
     def __init__(
         self,
