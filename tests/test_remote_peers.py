@@ -277,7 +277,14 @@ OPS: dict[str, dict[str, Any]] = {
         "holding": [],
         "priority": 0,
     },
-    "report": {"id": 1, "state": "held", "charge": {"m": 10}, "loads": 1},
+    "report": {
+        "id": 1,
+        "state": "held",
+        "charge": {"m": 10},
+        "loads": 1,
+        "reason": "idle",
+        "error": "it failed",
+    },
     "cancel": {"id": 1},
     "ps": {},
     "totals": {},
@@ -578,6 +585,30 @@ async def test_a_peer_that_goes_away_at_any_moment_is_no_failure(
                     await until(lambda: not daemon.awaiting.scopes)
                 await served(daemon.address)
     assert failures(events) == []
+
+
+async def test_a_peer_that_does_not_read_is_not_read_either() -> None:
+    """A process that asks and asks (5,000 ``ps`` requests) and never reads the answers
+    cannot make the daemon hold an answer per request: with ``MAX_UNSENT`` messages
+    waiting for it, the daemon stops reading from it until it reads. Others are served
+    meanwhile, and once it goes, everything of it is gone."""
+    async with serving() as daemon:
+        async with Broker.connect(daemon.address) as broker:
+            async with broker.cache("w", Plugin()) as cache:
+                for i in range(20):  # (answers of some size)
+                    await (await cache.acquire(f"k{i}", load=value(i), size=1)).release()
+                async with await anyio.connect_unix(daemon.address) as greedy:
+                    await greedy.send(wire.encode({"op": "hello", "version": wire.VERSION}))
+                    await until(lambda: len(daemon.connections) == 2)
+                    [connection] = [c for c in daemon.connections.values() if not c.caches]
+                    for _ in range(50):
+                        await greedy.send(wire.encode({"op": "ps"}) * 100)
+                        assert len(connection.outbox) <= _daemon.MAX_UNSENT
+                    await anyio.wait_all_tasks_blocked()
+                    assert len(connection.outbox) <= _daemon.MAX_UNSENT
+                    await served(daemon.address)
+                    assert len(connection.outbox) <= _daemon.MAX_UNSENT
+                await until(lambda: len(daemon.connections) == 1)
 
 
 # ------------------------------------------------------------------ awaiting the hello

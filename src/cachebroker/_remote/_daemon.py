@@ -56,6 +56,10 @@ HELLO_TIMEOUT = 10.0
 #: one more closes the oldest (``_Awaiting``).
 MAX_PENDING = 128
 
+#: How many messages may wait to be sent to a process before the daemon stops reading
+#: from it until it reads (``Connection.room``).
+MAX_UNSENT = 64
+
 #: Seconds to wait after ``accept()`` failed, at first and at most: the wait doubles
 #: from one failure to the next, and starts again at the first once one succeeds.
 ACCEPT_BACKOFF = (0.01, 1.0)
@@ -280,6 +284,11 @@ class Connection:
         self.tg: anyio.abc.TaskGroup | None = None
         #: The level of its ``peer.connected`` and ``peer.gone`` (debug for ``cachebroker ps``).
         self.level = "info"
+        #: How many messages the writer is sending; set (and renewed) after each write.
+        self.sending = 0
+        self.sent = anyio.Event()
+        #: Until the writer is gone (the connection broke, or is ending).
+        self.writing = True
 
     def post(self, message: dict[str, Any]) -> None:
         """Queue ``message`` for the writer."""
@@ -288,14 +297,36 @@ class Connection:
 
     async def writer(self) -> None:
         """Send what was posted, a batch per write."""
-        while True:
-            await self.wake.wait()
-            self.wake = anyio.Event()
-            batch, self.outbox = self.outbox, []
-            try:
-                await wire.send(self.stream, *batch)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                return  # the reader sees the end too
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake = anyio.Event()
+                batch, self.outbox = self.outbox, []
+                self.sending = len(batch)
+                try:
+                    await wire.send(self.stream, *batch)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    return  # the reader sees the end too
+                finally:
+                    self.sending = 0
+                    self.sent.set()
+                    self.sent = anyio.Event()
+        finally:
+            self.writing = False
+
+    async def room(self) -> bool:
+        """Wait while more than ``MAX_UNSENT`` messages wait to be sent to the process;
+        false once nothing can be sent to it any more (the connection is over).
+
+        A process that does not read what it asked for is not read either, so
+        that it cannot make the daemon hold an answer per request (``ps``
+        answers are large): its requests wait in its socket, not here. A
+        process that reads (every ``Broker.connect()`` reads all the time)
+        never waits here but for the moment one write takes.
+        """
+        while self.writing and len(self.outbox) + self.sending > MAX_UNSENT:
+            await self.sent.wait()
+        return self.writing
 
     # ------------------------------------------------------------ messages
 
@@ -823,7 +854,7 @@ class Daemon:
                 connection.tg = tg
                 tg.start_soon(connection.writer)
                 try:
-                    while True:
+                    while await connection.room():
                         await connection.dispatch(await wire.receive(reader))
                 except _ENDED:
                     pass  # the process closed the connection, or died
