@@ -10,7 +10,7 @@ JSON from the standard library: a typical message encodes and decodes in
 5 to 20 µs, a fraction of a round trip over the socket (about 70 µs), and
 the protocol needs no dependency (msgpack and msgspec, measured beside it
 by ``benchmarks/framing.py``, would save about 10 µs a message). What a
-hostile peer could make of it is bounded before ``json.loads`` sees a
+hostile peer could make of it is bounded before the JSON decoder sees a
 frame: its length (``MAX_FRAME``, and ``MAX_HELLO`` for the first frame of
 a connection), its nesting (``MAX_DEPTH``, found by ``check_depth`` in a
 linear pass at C speed, so a depth bomb is a ``ProtocolError``, never a
@@ -144,7 +144,7 @@ def decode(body: bytes) -> dict[str, Any]:
     """The message a frame's ``body`` holds; ``ProtocolError`` for anything that is not one."""
     check_depth(body)
     try:
-        message = json.loads(body, parse_constant=_no_constant)
+        message = _DECODER.decode(body.decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"a frame is not JSON: {exc}") from None
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
@@ -154,6 +154,10 @@ def decode(body: bytes) -> dict[str, Any]:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number of this protocol")
+
+
+#: One decoder for every frame (``json.loads`` with an argument would build one a call).
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def check_depth(body: bytes) -> None:
