@@ -39,6 +39,7 @@ PEER_CONNECTED: Final = "cachebroker.peer.connected"
 PEER_GONE: Final = "cachebroker.peer.gone"
 PEER_REFUSED: Final = "cachebroker.peer.refused"
 PEER_FAILED: Final = "cachebroker.peer.failed"
+ACCEPT_FAILED: Final = "cachebroker.accept.failed"
 BROKER_LOST: Final = "cachebroker.broker.lost"
 PEER_RECONNECTING: Final = "cachebroker.peer.reconnecting"
 PEER_RECONNECTED: Final = "cachebroker.peer.reconnected"
@@ -75,6 +76,7 @@ ALL: Final = (
     PEER_GONE,
     PEER_REFUSED,
     PEER_FAILED,
+    ACCEPT_FAILED,
     BROKER_LOST,
     PEER_RECONNECTING,
     PEER_RECONNECTED,

@@ -24,12 +24,14 @@ the number the process gave it and shown by its key's ``repr``:
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import itertools
 import json
+import math
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -48,7 +50,7 @@ from ._protocol import ProtocolError
 
 __all__ = ["Daemon", "DaemonBroker"]
 
-#: Seconds a new connection has to say hello.
+#: Seconds a new connection has to say hello (``Daemon(hello_timeout=...)``).
 HELLO_TIMEOUT = 10.0
 
 #: Seconds a restarted daemon waits at most for the processes of the one
@@ -57,6 +59,23 @@ GRACE = 10.0
 
 #: Seconds between looks at whether an expected process still lives.
 GATE_POLL = 0.1
+#: How many connections may await their hello at once (``Daemon(max_pending=...)``);
+#: one more closes the oldest (``_Awaiting``).
+MAX_PENDING = 128
+
+#: How many messages may wait to be sent to a process before the daemon stops reading
+#: from it until it reads (``Connection.room``).
+MAX_UNSENT = 64
+
+#: Seconds to wait after ``accept()`` failed, at first and at most: the wait doubles
+#: from one failure to the next, and starts again at the first once one succeeds.
+ACCEPT_BACKOFF = (0.01, 1.0)
+
+#: How ``accept()`` may fail and then succeed again: out of file descriptors, buffers
+#: or memory (until connections close), or a connection aborted before it was accepted.
+_TRANSIENT = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
+)
 
 #: What a process's report may say of its entry.
 _REPORTS = frozenset({"held", "pinned", "idle", "releasing", "quarantined", "gone"})
@@ -66,6 +85,9 @@ _ADOPTED = frozenset({"loading", "held", "pinned", "idle", "releasing", "quarant
 
 #: Reports that hold the entry (leased, or pinned): it is no victim.
 _HOLDING = frozenset({"held", "pinned"})
+
+#: How reading from a process ends when it closed its connection, or died.
+_ENDED = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError)
 
 _REASONS = {reason.value: reason for reason in Reason}
 
@@ -285,6 +307,13 @@ class Connection:
         self.outbox: list[dict[str, Any]] = []
         self.wake = anyio.Event()
         self.tg: anyio.abc.TaskGroup | None = None
+        #: The level of its ``peer.connected`` and ``peer.gone`` (debug for ``cachebroker ps``).
+        self.level = "info"
+        #: How many messages the writer is sending; set (and renewed) after each write.
+        self.sending = 0
+        self.sent = anyio.Event()
+        #: Until the writer is gone (the connection broke, or is ending).
+        self.writing = True
 
     def post(self, message: dict[str, Any]) -> None:
         """Queue ``message`` for the writer."""
@@ -293,14 +322,36 @@ class Connection:
 
     async def writer(self) -> None:
         """Send what was posted, a batch per write."""
-        while True:
-            await self.wake.wait()
-            self.wake = anyio.Event()
-            batch, self.outbox = self.outbox, []
-            try:
-                await wire.send(self.stream, *batch)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                return  # the reader sees the end too
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake = anyio.Event()
+                batch, self.outbox = self.outbox, []
+                self.sending = len(batch)
+                try:
+                    await wire.send(self.stream, *batch)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    return  # the reader sees the end too
+                finally:
+                    self.sending = 0
+                    self.sent.set()
+                    self.sent = anyio.Event()
+        finally:
+            self.writing = False
+
+    async def room(self) -> bool:
+        """Wait while more than ``MAX_UNSENT`` messages wait to be sent to the process;
+        false once nothing can be sent to it any more (the connection is over).
+
+        A process that does not read what it asked for is not read either, so
+        that it cannot make the daemon hold an answer per request (``ps``
+        answers are large): its requests wait in its socket, not here. A
+        process that reads (every ``Broker.connect()`` reads all the time)
+        never waits here but for the moment one write takes.
+        """
+        while self.writing and len(self.outbox) + self.sending > MAX_UNSENT:
+            await self.sent.wait()
+        return self.writing
 
     # ------------------------------------------------------------ messages
 
@@ -693,7 +744,7 @@ class Connection:
         self.daemon.expected.discard(self.pid)  # (gone before it registered: nothing held)
         self.daemon.forget_peer(self)
         runner.emit(
-            "info",
+            self.level,
             ev.PEER_GONE,
             address=self.daemon.address,
             pid=self.pid,
@@ -710,6 +761,11 @@ def _measured(charge: object) -> object:
 class Daemon:
     """Serves one broker to the processes that connect to ``address``.
 
+    No peer stops it: what one connection does ends that connection at most
+    (``_connection``), connections awaiting their hello are bounded
+    (``max_pending``, ``hello_timeout``), and ``accept()`` failing for want
+    of descriptors is waited out (``_accept``).
+
     A restarted daemon does not know what the processes of the one before it
     hold until they register again, so it grants nothing (``gate``) until
     every process listed in the peers file (``address`` + ``.peers``, kept
@@ -724,12 +780,27 @@ class Daemon:
         *,
         uid: int | None = None,
         grace: float = GRACE,
+        max_pending: int = MAX_PENDING,
+        hello_timeout: float = HELLO_TIMEOUT,
     ) -> None:
         self.broker = broker
         self.runner = broker._runner
         self.address = address
         #: The only user whose processes may connect.
         self.uid = os.getuid() if uid is None else uid
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int):
+            raise TypeError(f"max_pending must be a number of connections, got {max_pending!r}")
+        if max_pending < 1:
+            raise InvalidArgument(f"max_pending must be at least 1, got {max_pending!r}")
+        #: The connections awaiting their hello.
+        self.awaiting = _Awaiting(max_pending)
+        if isinstance(hello_timeout, bool) or not isinstance(hello_timeout, (int, float)):
+            raise TypeError(f"hello_timeout must be a number of seconds, got {hello_timeout!r}")
+        if not 0 < hello_timeout < math.inf:
+            raise InvalidArgument(
+                f"hello_timeout must be a positive number of seconds, got {hello_timeout!r}"
+            )
+        self.hello_timeout = float(hello_timeout)
         self.owners: dict[Any, tuple[Connection, str]] = {}
         self.connections: dict[int, Connection] = {}
         #: The owner names in use.
@@ -751,6 +822,8 @@ class Daemon:
         #: and each kept broker's event, set when it registers again.
         self._gone_block: Block | None = None
         self._kept: dict[str, anyio.Event] = {}
+        #: How many kept holds each process has (``keep``).
+        self._holding: dict[int, int] = {}
 
     @property
     def peers_path(self) -> str:
@@ -762,7 +835,7 @@ class Daemon:
         self._write_peers()
 
     def forget_peer(self, connection: Connection) -> None:
-        """``connection`` ended: its process holds nothing of this daemon's any more."""
+        """``connection`` ended: unless its bytes are kept (``keep``), it is no peer any more."""
         self._write_peers(leaving=connection)
 
     def registered(self, connection: Connection) -> None:
@@ -790,6 +863,7 @@ class Daemon:
         if connection.session:
             self._kept[connection.session] = back
         key = _Key(-connection.serial, f"<held by process {connection.pid}>")
+        self._holding[connection.pid] = self._holding.get(connection.pid, 0) + 1
         self.runner.adopt(
             self._gone_block.owner,
             key,
@@ -799,10 +873,20 @@ class Daemon:
         )
 
     async def _hold(self, pid: int, back: anyio.Event) -> object:
-        """Hold a lost connection's bytes until process ``pid`` ends or registers again."""
-        while not back.is_set() and _alive(pid):
-            with anyio.move_on_after(GATE_POLL):
-                await back.wait()
+        """Hold a lost connection's bytes until process ``pid`` ends or registers again.
+
+        Meanwhile ``pid`` stays in the peers file: a daemon started after this
+        one waits for it too.
+        """
+        try:
+            while not back.is_set() and _alive(pid):
+                with anyio.move_on_after(GATE_POLL):
+                    await back.wait()
+        finally:
+            self._holding[pid] -= 1
+            if not self._holding[pid]:
+                del self._holding[pid]
+        self._write_peers()  # (not when the daemon stops: the next one waits for it)
         raise LoadFailed(f"process {pid} ended or registered again: its bytes are back")
 
     def _open_gate_if_due(self) -> None:
@@ -817,6 +901,7 @@ class Daemon:
             if c.opened and c is not leaving and c.pid != os.getpid()
         )
         pids |= self.expected  # (not registered yet: still the memory of the daemon before)
+        pids |= self._holding.keys()  # (their bytes are kept: ``keep``)
         if pids == self._peers:
             return
         self._peers = pids
@@ -892,96 +977,175 @@ class Daemon:
             async with self.broker:
                 gone = self._gone_block = await self.runner.open_block(_GONE, _nothing)
                 try:
-                    async with listener, anyio.create_task_group() as tg:
+                    async with listener, anyio.create_task_group() as connections:
                         if self.expected:
-                            tg.start_soon(self._hold_gate)
+                            connections.start_soon(self._hold_gate)
                         else:
                             self.gate.set()
                         self._write_peers()
                         task_status.started()
-                        await listener.serve(self._handle)
+                        await self._accept(listener, connections)
                 finally:
                     self._gone_block = None
                     with contextlib.suppress(LeasesOutstanding):
                         await self.runner.close_block(gone, None, None, None)
         finally:
             _unlink(self.address, inode)
+            if self._peers is not None and not self._peers:  # nobody to wait for next time
+                with contextlib.suppress(OSError):
+                    os.unlink(self.peers_path)
 
-    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            log = self.runner
-            uid, pid = wire.peer(stream)
-            reader = BufferedByteReceiveStream(stream)
-            if uid is not None and uid != self.uid:
-                log.emit("error", ev.PEER_REFUSED, address=self.address, uid=uid, pid=pid)
-                # Take its hello first: a socket closed with the hello unread (or
-                # before it was sent) resets the connection, and the peer may never
-                # read why it was refused.
-                with contextlib.suppress(
-                    ProtocolError,
-                    TimeoutError,
-                    anyio.EndOfStream,
-                    anyio.IncompleteRead,
-                    anyio.BrokenResourceError,
-                    OSError,
-                ):
-                    with anyio.fail_after(HELLO_TIMEOUT):
-                        await wire.receive(reader)
-                await _refuse(stream, f"user {uid} may not use the broker of user {self.uid}")
-                return
+    async def _accept(
+        self, listener: anyio.abc.SocketListener, connections: anyio.abc.TaskGroup
+    ) -> None:
+        """Accept connections until cancelled, each served in ``connections``.
+
+        ``listener.serve()`` would end the daemon at the first failure of
+        ``accept()``; but running out of file descriptors (``EMFILE``,
+        ``ENFILE``) or of buffers, or a connection aborted before it was
+        accepted, passes: such a failure is logged (``accept.failed``), waited
+        out (``ACCEPT_BACKOFF``, doubling from one failure to the next) and
+        ``accept()`` tried again, while the connections already there are
+        served and may close.
+        """
+        failures = 0
+        while True:
             try:
-                with anyio.fail_after(HELLO_TIMEOUT):
-                    hello = await wire.receive(reader)
+                stream = await listener.accept()
+            except (anyio.BrokenResourceError, OSError) as exc:
+                # (anyio raises BrokenResourceError from the OSError)
+                error = exc if isinstance(exc, OSError) else exc.__cause__
+                if not isinstance(error, OSError) or error.errno not in _TRANSIENT:
+                    raise
+                failures += 1
+                delay = backoff(failures)
+                self.runner.emit(
+                    "error",
+                    ev.ACCEPT_FAILED,
+                    address=self.address,
+                    error=str(error),
+                    errno=errno.errorcode.get(error.errno or 0, str(error.errno)),
+                    failures=failures,
+                    retry_in=delay,
+                )
+                await anyio.sleep(delay)
+            else:
+                failures = 0
+                connections.start_soon(self._connection, stream)
+
+    async def _connection(self, stream: anyio.abc.SocketStream) -> None:
+        """One connection, from its accept to its end: whatever it raises ends it alone.
+
+        This is the one place where a connection's failure is contained:
+        before its hello, on the way to refusing another user, and while it
+        is served. Any ``Exception`` (a ``ProtocolError``, and a bug's error
+        too) is logged (``peer.failed``) and closes that connection; the
+        daemon's own cancellation, ``KeyboardInterrupt`` and ``SystemExit``
+        are no connection's doing and go through, so that the daemon stops.
+        """
+        pid: int | None = None
+        try:
+            async with stream:
+                uid, pid = wire.peer(stream)
+                reader = BufferedByteReceiveStream(stream)
+                if uid is not None and uid != self.uid:
+                    await self._refuse_user(stream, reader, uid, pid)
+                    return
+                hello = await self._hello(reader)
+                if hello is None:
+                    return  # it closed without a word (another daemon checking the socket is live)
                 if hello["op"] != "hello" or hello.get("version") != wire.VERSION:
                     await _refuse(
                         stream,
-                        f"this broker speaks protocol version {wire.VERSION}, got {hello!r:.120}",
+                        f"this broker speaks protocol version {wire.VERSION}, "
+                        f"got {wire.shown(hello)}",
                     )
                     return
                 claimed = hello.get("pid")
-                pid = pid if pid is not None else claimed if isinstance(claimed, int) else 0
+                if pid is None:
+                    pid = claimed if type(claimed) is int else 0
                 session = hello.get("session")
                 session = session if isinstance(session, str) and len(session) <= 64 else None
-            except (anyio.EndOfStream, anyio.IncompleteRead):
-                return  # it closed without a word (another daemon checking the socket is live)
-            except (ProtocolError, TimeoutError) as exc:
-                log.emit("error", ev.PEER_FAILED, address=self.address, pid=pid, error=repr(exc))
-                return
-            connection = Connection(self, stream, next(self._serials), pid, session)
-            self.connections[connection.serial] = connection
-            connection.post({"op": "welcome", "version": wire.VERSION, **self.settings()})
-            log.emit("info", ev.PEER_CONNECTED, address=self.address, pid=pid)
-            try:
-                await self._serve(connection, reader)
-            except Exception as exc:  # one connection's trouble never stops the daemon
-                log.emit("error", ev.PEER_FAILED, address=self.address, pid=pid, error=repr(exc))
-            finally:
-                del self.connections[connection.serial]
-                for space in connection.opened:
-                    if space.block is not None and space.closed.is_set():
-                        self.forget(space.block.owner, space.name)
-
-    async def _serve(self, connection: Connection, reader: BufferedByteReceiveStream) -> None:
-        log = self.runner
-        async with anyio.create_task_group() as tg:
-            connection.tg = tg
-            tg.start_soon(connection.writer)
-            try:
-                while True:
-                    await connection.dispatch(await wire.receive(reader))
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError):
-                pass  # the process closed the connection, or died
-            except ProtocolError as exc:
-                log.emit(
-                    "error",
-                    ev.PEER_FAILED,
-                    address=self.address,
-                    pid=connection.pid,
-                    error=str(exc),
+                await self._serve(
+                    stream, reader, pid, observer=hello.get("observer") is True, session=session
                 )
-            finally:
-                connection.lost()
-                tg.cancel_scope.cancel()
+        except* Exception as failed:
+            self.runner.emit(
+                "error",
+                ev.PEER_FAILED,
+                address=self.address,
+                pid=pid,
+                error="; ".join(map(_why, _leaves(failed))),
+            )
+
+    async def _hello(self, reader: BufferedByteReceiveStream) -> dict[str, Any] | None:
+        """A new connection's first message (``None``: it closed without one).
+
+        ``ProtocolError`` for a first frame that is no message or is over
+        ``MAX_HELLO`` bytes, for none within ``hello_timeout``, and for a
+        connection closed to make room for newer ones (``max_pending``).
+        """
+        with self.awaiting.hello():
+            try:
+                with anyio.fail_after(self.hello_timeout):
+                    return await wire.receive(reader, wire.MAX_HELLO)
+            except (anyio.EndOfStream, anyio.IncompleteRead):
+                return None
+            except TimeoutError:
+                raise ProtocolError(f"no hello within {self.hello_timeout:g} s") from None
+        raise ProtocolError(
+            f"closed before its hello, the oldest of {self.awaiting.limit} connections "
+            "awaiting theirs (max_pending)"
+        )
+
+    async def _refuse_user(
+        self,
+        stream: anyio.abc.SocketStream,
+        reader: BufferedByteReceiveStream,
+        uid: int,
+        pid: int | None,
+    ) -> None:
+        self.runner.emit("error", ev.PEER_REFUSED, address=self.address, uid=uid, pid=pid)
+        # Take its hello first (whatever it is): a socket closed with the hello unread
+        # (or before it was sent) resets the connection, and the peer may never read
+        # why it was refused.
+        with contextlib.suppress(ProtocolError, anyio.BrokenResourceError, OSError):
+            await self._hello(reader)
+        await _refuse(stream, f"user {uid} may not use the broker of user {self.uid}")
+
+    async def _serve(
+        self,
+        stream: anyio.abc.SocketStream,
+        reader: BufferedByteReceiveStream,
+        pid: int,
+        *,
+        observer: bool,
+        session: str | None = None,
+    ) -> None:
+        """Welcome a process that said hello, and serve it until it goes."""
+        connection = Connection(self, stream, next(self._serials), pid, session)
+        # (an observer, ``cachebroker ps``, comes and goes unremarked: at debug level)
+        connection.level = "debug" if observer else "info"
+        self.connections[connection.serial] = connection
+        try:
+            connection.post({"op": "welcome", "version": wire.VERSION, **self.settings()})
+            self.runner.emit(connection.level, ev.PEER_CONNECTED, address=self.address, pid=pid)
+            async with anyio.create_task_group() as tg:
+                connection.tg = tg
+                tg.start_soon(connection.writer)
+                try:
+                    while await connection.room():
+                        await connection.dispatch(await wire.receive(reader))
+                except _ENDED:
+                    pass  # the process closed the connection, or died
+                finally:
+                    connection.lost()
+                    tg.cancel_scope.cancel()
+        finally:
+            del self.connections[connection.serial]
+            for space in connection.opened:
+                if space.block is not None and space.closed.is_set():
+                    self.forget(space.block.owner, space.name)
 
     def settings(self) -> dict[str, Any]:
         runner = self.runner
@@ -1062,6 +1226,56 @@ def _alive(pid: int) -> bool:
 
 def _private(path: str, flags: int) -> int:
     return os.open(path, flags, 0o600)
+
+
+def backoff(failures: int) -> float:
+    """Seconds to wait after ``failures`` failures of ``accept()`` in a row."""
+    first, longest = ACCEPT_BACKOFF
+    return min(longest, first * 2.0 ** min(failures - 1, 64))
+
+
+class _Awaiting:
+    """The connections awaiting their hello, oldest first: at most ``limit`` of them.
+
+    One more closes the oldest. A flood of connections that never speak then
+    ages out as fast as it comes, while a process, which says hello as it
+    connects, is read long before it is the oldest; refusing new connections
+    instead would lock every process out for as long as a flood lasts.
+    """
+
+    __slots__ = ("limit", "scopes")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.scopes: dict[anyio.CancelScope, None] = {}
+
+    @contextlib.contextmanager
+    def hello(self) -> Iterator[anyio.CancelScope]:
+        """A scope around the wait for one connection's hello, cancelled if it becomes too old."""
+        while len(self.scopes) >= self.limit:
+            oldest = next(iter(self.scopes))
+            del self.scopes[oldest]
+            oldest.cancel()
+        scope = anyio.CancelScope()
+        self.scopes[scope] = None
+        try:
+            with scope:
+                yield scope
+        finally:
+            self.scopes.pop(scope, None)
+
+
+def _leaves(group: BaseExceptionGroup[Exception]) -> Iterator[Exception]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+def _why(exc: Exception) -> str:
+    """What a connection's failure says in ``peer.failed``: the protocol's words, or a repr."""
+    return str(exc) if isinstance(exc, ProtocolError) else repr(exc)
 
 
 # ---------------------------------------------------------------- the socket

@@ -30,7 +30,7 @@ async def fetch(address: str) -> dict[str, Any]:
     """The daemon's listing: ``daemon`` (pid, address, used, budget), ``processes``, ``entries``."""
     with anyio.fail_after(10):
         async with await anyio.connect_unix(address) as stream:
-            reader, welcome = await wire.greet(stream)
+            reader, welcome = await wire.greet(stream, observer=True)
             if welcome["op"] != "welcome":
                 raise wire.ProtocolError(str(welcome.get("message", welcome)))
             await wire.send(stream, {"op": "ps"})

@@ -17,7 +17,7 @@ from .._shell._config import _parse_env_ttl
 from .._sizes import parse_bytes
 from .._units import format_bytes
 from ..probes import NvidiaGPU, Probe, SystemMemory
-from ._daemon import GRACE, Daemon, DaemonBroker
+from ._daemon import GRACE, HELLO_TIMEOUT, MAX_PENDING, Daemon, DaemonBroker
 from ._protocol import default_address
 
 __all__ = ["add_parser", "parse_budget_spec", "run"]
@@ -96,9 +96,20 @@ def add_parser(commands: Any, name: str, help: str) -> None:
     )
     parser.add_argument(
         "--grace",
-        default=str(GRACE),
+        default=f"{GRACE:g}",
         help="after a restart, seconds to wait at most for the processes of the daemon before "
-        "to register what they hold, before granting anything (default: %(default)s)",
+        f"to register what they hold, before granting anything (default: {GRACE:g})",
+    )
+    parser.add_argument(
+        "--max-pending",
+        default=str(MAX_PENDING),
+        help="connections that may await their hello at once; one more closes the oldest "
+        f"(default: {MAX_PENDING})",
+    )
+    parser.add_argument(
+        "--hello-timeout",
+        default=f"{HELLO_TIMEOUT:g}",
+        help=f"seconds a new connection has to say hello (default: {HELLO_TIMEOUT:g})",
     )
     parser.add_argument(
         "--log-level", choices=sorted(_LEVELS), default="info", help="events shown on stderr"
@@ -113,7 +124,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         budget = parse_budget_spec(args.budget)
         idle_ttl = None if args.idle_ttl is None else _parse_env_ttl(args.idle_ttl)
         release_timeout = _parse_env_ttl(args.release_timeout)
-        grace = _parse_seconds(args.grace, "--grace")
+        grace = _seconds(args.grace, "--grace", zero=True)
+        max_pending = _count(args.max_pending, "--max-pending")
+        hello_timeout = _seconds(args.hello_timeout, "--hello-timeout")
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     address = args.socket or os.environ.get("CACHEBROKER_ADDRESS") or default_address()
@@ -136,7 +149,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
-    daemon = Daemon(broker, address, grace=grace)
+    daemon = Daemon(
+        broker, address, grace=grace, max_pending=max_pending, hello_timeout=hello_timeout
+    )
     try:
         anyio.run(_serve, daemon)
     except KeyboardInterrupt:
@@ -150,14 +165,25 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _parse_seconds(raw: str, what: str) -> float:
-    """``raw`` as a non-negative number of seconds, or an error naming ``what``."""
+def _count(raw: str, what: str) -> int:
+    try:
+        count = int(raw)
+    except ValueError:
+        raise ValueError(f"{what} must be a whole number, got {raw!r}") from None
+    if count < 1:
+        raise ValueError(f"{what} must be at least 1, got {raw!r}")
+    return count
+
+
+def _seconds(raw: str, what: str, *, zero: bool = False) -> float:
+    """``raw`` as a finite number of seconds (above 0, or from 0 with ``zero``)."""
     try:
         seconds = float(raw)
     except ValueError:
         raise ValueError(f"{what} must be a number of seconds, got {raw!r}") from None
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{what} must be a non-negative number of seconds, got {raw!r}")
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero):
+        kind = "non-negative" if zero else "positive"
+        raise ValueError(f"{what} must be a {kind} number of seconds, got {raw!r}")
     return seconds
 
 
