@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO, Any, NoReturn
 
 from .._errors import InvalidArgument
-from .._sizes import parse_bytes
+from .._sizes import parse_budget, parse_bytes
 from .._units import format_bytes
 from . import (
     BUDGETS,
@@ -239,16 +239,8 @@ def _budgets(values: list[str]) -> list[Any]:
         if not parts:
             raise InvalidArgument(f"--budget {value!r} names no budget")
         if any("=" in part for part in parts):
-            mapping: dict[str, int] = {}
-            for part in parts:
-                space, sep, amount = part.partition("=")
-                if not sep or not space.strip():
-                    raise InvalidArgument(
-                        f"--budget {value!r}: {part!r} is not SPACE=AMOUNT; a budget of several "
-                        "spaces names each, as in 'ram=16GiB,cuda:0=24GiB'"
-                    )
-                mapping[space.strip()] = parse_bytes(amount.strip(), what=f"budget of {space!r}")
-            budgets.append(mapping)
+            # One budget of several spaces, in the grammar of Broker(budget=...).
+            budgets.append(parse_budget(value, what="--budget"))
         else:
             budgets.extend(parse_bytes(part, what="--budget") for part in parts)
     return budgets
