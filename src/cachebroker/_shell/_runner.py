@@ -1209,7 +1209,7 @@ class Runner:
                         ev.LEASE_HELD,
                         cache=entry.owner.name,
                         key=entry.key,
-                        holders=[task_name(task) for task in entry.holders],
+                        holders=self._holder_names(entry),
                         seconds=round(now - since, 3),
                         waiting=sum(
                             len(w.joiners)
@@ -1219,6 +1219,10 @@ class Runner:
                     )
         self.held = held
         self._held_reported &= held.keys()
+
+    def _holder_names(self, entry: Entry) -> list[str]:
+        """How ``lease.held`` names ``entry``'s holders: by their tasks' names."""
+        return [task_name(task) for task in entry.holders]
 
     def _refresh_probes(self) -> None:
         """Re-read every probed space's device and set its capacity.
