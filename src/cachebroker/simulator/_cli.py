@@ -86,6 +86,12 @@ def add_parser(commands: Any, name: str, help: str) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="print no progress on standard error (a bar on a terminal, else a line per step)",
+    )
+    parser.add_argument(
         "--plot",
         metavar="FILE.png",
         help="draw reload seconds, hit ratio and the wait for space against budget",
@@ -145,7 +151,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             )
         used = sorted({space for request in requests for space in request.size})
         steps = len(budgets) * ((1 + len(tiers)) * (len(policies) + bound) + online)
-        with _progress(steps) as step:
+        with _progress(steps, quiet=args.quiet) as step:
             # Per budget: without a tier, then with each tier asked for.
             variants: list[list[Comparison]] = []
             for space, amount in [(None, 0), *tiers]:
@@ -517,10 +523,23 @@ def _has(module: str) -> bool:
 
 
 @contextlib.contextmanager
-def _progress(steps: int) -> Iterator[Any]:
-    """A rich progress bar on a terminal's standard error; a no-op elsewhere."""
-    if not (sys.stderr.isatty() and _has("rich")):
+def _progress(steps: int, *, quiet: bool = False) -> Iterator[Any]:
+    """Progress on standard error: a rich bar on a terminal, else a line as each step starts.
+
+    (The whole built-in run takes half a minute; piped or logged, a silent
+    run looks hung.) Standard output carries the results alone.
+    """
+    if quiet:
         yield None
+        return
+    if not (sys.stderr.isatty() and _has("rich")):
+        done = [0]
+
+        def line(description: str) -> None:
+            done[0] += 1
+            print(f"simulate: step {done[0]}/{steps}: {description}", file=sys.stderr, flush=True)
+
+        yield line
         return
     from rich.progress import Progress
 
