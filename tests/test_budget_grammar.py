@@ -10,15 +10,19 @@ number of bytes instead of rounding it (``"0.5B"`` as 0 would turn retention off
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cachebroker import Broker, InvalidArgument, parse_bytes
 from cachebroker.__main__ import main
 from cachebroker._remote import _serve
 from cachebroker._remote._daemon import Daemon
+from cachebroker._units import UNITS
 from cachebroker.probes import Probe, SystemMemory
 from tests.test_broker import Recorder, loader
 
@@ -183,3 +187,29 @@ def test_the_simulator_reads_a_budget_of_several_spaces_as_the_broker_does() -> 
     expected = [{"ram": 1024, "gpu": 2048}]
     assert resolve_budgets(["ram=1KiB,gpu=2KiB"], requests) == expected
     assert resolve_budgets([{"ram": "1KiB", "gpu": "2KiB"}], requests) == expected
+
+
+SPACE_NAMES = st.from_regex(r"[a-z][a-z0-9:_.]{0,8}", fullmatch=True)
+
+
+@given(st.dictionaries(SPACE_NAMES, st.integers(0, 2**50), min_size=1, max_size=4))
+def test_a_budget_written_as_text_is_its_mapping_at_every_door(spaces: dict[str, int]) -> None:
+    """Property: ``"a=N,b=M"`` is the budget ``{"a": N, "b": M}``, by Broker and from_env alike."""
+    text = ", ".join(f"{name}={amount}" for name, amount in spaces.items())
+    assert broker_budget(text) == spaces == env_budget(text) == broker_budget(spaces)
+
+
+@given(
+    st.integers(0, 10**9),
+    st.from_regex(r"[0-9]{1,7}", fullmatch=True),
+    st.sampled_from(["", "B", "KiB", "MiB", "GiB", "KB", "MB", "GB"]),
+)
+def test_a_quantity_is_its_exact_bytes_or_refused(whole: int, digits: str, unit: str) -> None:
+    """Property: a quantity is read exactly; one that is not whole bytes is an error."""
+    text = f"{whole}.{digits}{unit}"
+    exact = Fraction(f"{whole}.{digits}") * UNITS[unit.lower()]
+    if exact.denominator == 1:
+        assert parse_bytes(text) == exact
+    else:
+        with pytest.raises(InvalidArgument, match="is not a whole number of bytes"):
+            parse_bytes(text)

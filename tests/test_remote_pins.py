@@ -210,3 +210,28 @@ async def test_a_release_refused_because_the_process_pinned_its_entry_leaves_it_
             stream.extra(anyio.abc.SocketAttribute.raw_socket).shutdown(socket.SHUT_RDWR)
             await until(lambda: len(daemon.connections) == 1)
             await stream.aclose()
+
+
+async def test_a_process_that_dies_with_a_pinned_entry_frees_its_bytes() -> None:
+    async with serving() as daemon:
+        stream = await anyio.connect_unix(daemon.address)
+        reader = BufferedByteReceiveStream(stream)
+        await wire.send(stream, {"op": "hello", "version": wire.VERSION, "pid": 1})
+        await wire.send(stream, {"op": "open", "cache": "h"})
+        assert (await wire.receive(reader))["op"] == "welcome"
+        await wire.send(
+            stream, {"op": "acquire", "id": 1, "cache": "h", "key": "'x'", "need": {"m": 60}}
+        )
+        assert (await wire.receive(reader))["op"] == "grant"
+        await wire.send(stream, {"op": "report", "id": 1, "state": "pinned", "charge": {"m": 60}})
+        await until(lambda: [e["pinned"] for e in listed(daemon)] == [True])
+        daemon.runner.core.check()
+        # (shut down, not closed under the daemon's reader: anyio#1267 on asyncio)
+        stream.extra(anyio.abc.SocketAttribute.raw_socket).shutdown(socket.SHUT_RDWR)
+        await until(lambda: not daemon.connections and used(daemon) == 0)
+        await stream.aclose()
+        assert listed(daemon) == []
+        daemon.runner.core.check()
+        async with Broker.connect(daemon.address) as broker, broker.cache("w", Plugin()) as cache:
+            async with cache.acquire("y", load=value(1), size=100, timeout=5) as lease:
+                assert lease.value == 1
