@@ -132,6 +132,7 @@ class Steps:
                 load=self.loader(label, step.get("load", "quick")),
                 size=step.get("size", 1),
                 timeout=step.get("timeout"),
+                pin=bool(step.get("pin", False)),
             )
         except Exception as exc:
             say("error", op="acquire", key=raw, label=label, **error_fields(exc))

@@ -146,8 +146,16 @@ async def test_a_request_waiting_for_another_process_s_busy_entry_is_not_starved
                     pinned = await c1.acquire("p", load=value("P"), size=50, pin=True)
                 async with c1.acquire("x", load=value("X"), size=size):
                     pass
-                held = 0 if pinned is None else 1
-                await until(lambda: sum(e["leases"] for e in daemon.listing()["entries"]) == held)
+                pins = 0 if pinned is None else 1  # (pinned in the daemon, not leased)
+                await until(
+                    lambda: (
+                        [
+                            sum(e[what] for e in daemon.listing()["entries"])
+                            for what in ("leases", "pinned")
+                        ]
+                        == [0, pins]
+                    )
+                )
                 got: list[str] = []
                 rounds = [0]
 

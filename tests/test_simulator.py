@@ -493,7 +493,7 @@ def test_cli_several_spaces_without_bound(
     ("args", "message"),
     [
         (["--budget", "lots"], "--budget 'lots' is not a byte quantity"),
-        (["--budget", "ram=1GiB,gpu"], "'gpu' is not SPACE=AMOUNT"),
+        (["--budget", "ram=1GiB,gpu"], "'ram=1GiB,gpu': expected SPACE=AMOUNT pairs"),
         (["--budget", "5"], "needs 10 bytes of 'default', more than its whole budget of 5"),
         (["--budget", "20", "--policy", "mru"], "unknown policy 'mru'"),
         (["--budget", "20", "--idle-ttl", "-1"], "--idle-ttl must be a positive number"),

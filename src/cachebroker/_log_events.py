@@ -32,6 +32,7 @@ ALIAS_LEARNED: Final = "cachebroker.alias.learned"
 MEMORY_SLOW: Final = "cachebroker.release.memory_slow"
 RELEASE_BLOCKING: Final = "cachebroker.release.blocking"
 LEASE_HELD: Final = "cachebroker.lease.held"
+CLOSE_WAITING: Final = "cachebroker.close.waiting"
 LISTENER_FAILED: Final = "cachebroker.listener.failed"
 PROBE_FAILED: Final = "cachebroker.probe.failed"
 RELEASE_REFUSED: Final = "cachebroker.release.refused"
@@ -69,6 +70,7 @@ ALL: Final = (
     MEMORY_SLOW,
     RELEASE_BLOCKING,
     LEASE_HELD,
+    CLOSE_WAITING,
     LISTENER_FAILED,
     PROBE_FAILED,
     RELEASE_REFUSED,

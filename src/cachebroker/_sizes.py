@@ -15,7 +15,7 @@ from fractions import Fraction
 from ._errors import InvalidArgument
 from ._units import DEFAULT_SPACE, QUANTITY, UNITS
 
-__all__ = ["parse_budget", "parse_bytes", "parse_size", "tier_map"]
+__all__ = ["budget_pairs", "parse_budget", "parse_bytes", "parse_size", "tier_map"]
 
 
 def parse_bytes(value: object, *, what: str = "size") -> int:
@@ -23,7 +23,9 @@ def parse_bytes(value: object, *, what: str = "size") -> int:
 
     Accepts an ``int`` or a string such as ``"512MiB"``, ``"1.5GiB"``, ``"24GB"``
     (decimal units are powers of 1000, binary ``KiB``/``MiB``/``GiB``/``TiB``
-    powers of 1024) or ``"1024"``.
+    powers of 1024) or ``"1024"``. A quantity that is not a whole number of
+    bytes (``"0.5B"``, ``"1.3B"``) is an error, not rounded: rounded down,
+    ``"0.5B"`` would be a budget of 0, which turns retention off.
     """
     if isinstance(value, bool):
         raise TypeError(f"{what} must be a number of bytes or a string like '24GiB', got {value!r}")
@@ -48,26 +50,70 @@ def parse_bytes(value: object, *, what: str = "size") -> int:
                 "optional unit such as '512MiB', '24GiB' or '1.5GB'"
             )
         # Exact for any number of digits (a float would overflow or round).
-        return round(Fraction(match.group("num")) * UNITS[unit])
+        exact = Fraction(match.group("num")) * UNITS[unit]
+        if exact.denominator != 1:
+            whole = math.floor(exact)
+            raise InvalidArgument(
+                f"{what} {value!r} is not a whole number of bytes ({float(exact):.10g} B, "
+                f"between {whole} and {whole + 1}); give a whole number of bytes"
+            )
+        return int(exact)
     raise TypeError(
         f"{what} must be an int or a string like '24GiB', got {type(value).__name__} {value!r}"
     )
 
 
-def parse_budget(budget: object) -> dict[str, int]:
+def budget_pairs(text: str, *, what: str = "budget") -> str | dict[str, str]:
+    """Split a budget written as text into each space's amount, as written.
+
+    The one grammar of a budget as text, whichever door it comes in by
+    (``Broker(budget=...)``, ``CACHEBROKER_BUDGET``, ``cachebroker serve
+    --budget``, the simulator's budgets): ``"24GiB"`` is one amount (returned
+    alone), ``"ram=16GiB, cuda:0=24GiB"`` names each space's. What an amount
+    may be is its reader's to say. ``what`` names the door in errors.
+    """
+    stripped = text.strip()
+    if not stripped:
+        raise InvalidArgument(f"{what} is empty; give e.g. '24GiB' or 'ram=16GiB,cuda:0=24GiB'")
+    if "=" not in stripped:
+        return stripped
+    pairs: dict[str, str] = {}
+    for part in stripped.split(","):
+        name, sep, amount = (piece.strip() for piece in part.partition("="))
+        if not sep or not name or not amount:
+            raise InvalidArgument(
+                f"{what} {text!r}: expected SPACE=AMOUNT pairs separated by commas, "
+                f"as in 'ram=16GiB,cuda:0=24GiB', got {part.strip()!r}"
+            )
+        if name in pairs:
+            raise InvalidArgument(f"{what} {text!r}: space {name!r} is given twice")
+        pairs[name] = amount
+    return pairs
+
+
+def parse_budget(budget: object, *, what: str = "budget") -> dict[str, int]:
     """Return the budget as a mapping of space name to bytes.
 
-    A single quantity means one space named ``"default"``.
+    A single quantity means one space named ``"default"``; a string naming
+    spaces (``"ram=16GiB,cuda:0=24GiB"``) is read as ``budget_pairs`` reads it.
     """
+    if isinstance(budget, str):
+        budget = budget_pairs(budget, what=what)
     if isinstance(budget, Mapping):
-        if not budget:
-            raise InvalidArgument("budget mapping must name at least one space")
-        spaces: dict[str, int] = {}
-        for name, amount in budget.items():
-            _check_space_name(name)
-            spaces[name] = parse_bytes(amount, what=f"budget of space {name!r}")
-        return spaces
-    return {DEFAULT_SPACE: parse_bytes(budget, what="budget")}
+        check_budget_mapping(budget, what=what)
+        return {
+            name: parse_bytes(amount, what=f"{what} of space {name!r}")
+            for name, amount in budget.items()
+        }
+    return {DEFAULT_SPACE: parse_bytes(budget, what=what)}
+
+
+def check_budget_mapping(budget: Mapping[object, object], *, what: str = "budget") -> None:
+    """A budget mapping names at least one space, each by a non-empty string."""
+    if not budget:
+        raise InvalidArgument(f"{what} mapping must name at least one space")
+    for name in budget:
+        _check_space_name(name, what=what)
 
 
 def parse_size(size: object, spaces: Mapping[str, int]) -> dict[str, int]:

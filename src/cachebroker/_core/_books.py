@@ -874,15 +874,16 @@ class Core:
         Only wanted when the request may wait: it does not fit now (deadlock
         detection), or others are queued ahead of it (it may have to pass them).
         """
-        if not self.busy or not need:
+        if not need or not (self.busy or held):
             return []
         if not queued and all(self.spaces[s].fits(n) for s, n in need.items()):
             return []
         if held is not None:
+            # (pinned: leased there, but the books above know it pinned, not leased)
             return [
                 entry
                 for entry in held
-                if entry.leases
+                if (entry.leases or entry.pinned)
                 and entry.state is State.READY
                 and not entry.charge.keys().isdisjoint(need)
             ]

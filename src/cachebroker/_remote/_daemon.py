@@ -31,7 +31,7 @@ import json
 import math
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import anyio
@@ -98,9 +98,11 @@ class _Refused(BaseException):
     A ``BaseException``, so that nothing on its way to ``_release_failed`` takes it for a failure.
     """
 
-    def __init__(self, holder: object) -> None:
+    def __init__(self, holder: object, then: Callable[[], None]) -> None:
         super().__init__()
         self.holder = holder
+        #: What the books do once the entry is ready again (its process's report, applied).
+        self.then = then
 
 
 class _FailedThere(Exception):
@@ -112,19 +114,36 @@ class _FailedThere(Exception):
 
 
 class DaemonRunner(Runner):
-    """The daemon's runner: a refused release gives the entry back its lease."""
+    """The daemon's runner: a refused release gives the entry back its lease.
 
-    __slots__ = ()
+    Its entries' holders are processes: events name them by pid and cache
+    (``owners``, the daemon's map of each owner to its connection and cache).
+    """
+
+    __slots__ = ("owners",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.owners: Mapping[Any, tuple[Connection, str]] = {}
 
     def _release_failed(self, entry: Entry, exc: BaseException) -> bool:
         if isinstance(exc, _Refused):
             self.core.release_refused(entry, exc.holder)
+            exc.then()  # (pinned there: pinned here, the lease just given back ends)
             self.emit("info", ev.RELEASE_REFUSED, cache=entry.owner.name, key=entry.key)
             return False
         if isinstance(exc, _FailedThere):
             self.core.release_failed(entry, exc.error)
             return False
         return super()._release_failed(entry, exc)
+
+    def _holder_names(self, entry: Entry) -> list[str]:
+        """``process 1234 (cache whisper)``: the process whose entry it is holds every lease."""
+        found = self.owners.get(entry.owner)
+        if found is None:
+            return super()._holder_names(entry)
+        connection, cache = found
+        return [f"process {connection.pid} (cache {cache})"] if entry.holders else []
 
 
 def _nobody(entry: Entry) -> None:
@@ -167,6 +186,17 @@ class DaemonBooks(Core):
         Core._gone(self, entry)
         if self.wanting:
             self.wanting.pop(entry, None)
+
+    def pin(self, entry: Entry, pinned: bool, now: float) -> None:
+        """Pin or unpin a ready entry, as its process reports it: no lease taken or ended.
+
+        Pinned, an idle entry leaves the idle books (no candidate, never a
+        victim); unpinned, an entry with no lease becomes a candidate again.
+        """
+        if pinned:
+            self._retune(entry, None, True, now)
+        else:
+            self.unpin(entry.owner, entry.key, now)
 
     def _remember_load(self, entry: Entry, seconds: float) -> None:
         """Nothing to count: each of a process's loads is a key of its own here.
@@ -653,16 +683,7 @@ class Connection:
         state = mirror.state
         if entry is not None:
             if entry.state is State.READY:
-                # (never a candidate for drain: a pinned entry is never a victim)
-                entry.pinned = state == "pinned"
-                if state in _HOLDING and not mirror.held:
-                    core.hit(entry, self.holder)
-                    mirror.held, mirror.holder = True, self.holder
-                elif state not in _HOLDING and mirror.held:
-                    mirror.held = False
-                    core.lease_end(entry, mirror.holder, self.runner.clock())
-                    if not entry.leases:
-                        self.runner.note_idle(entry)
+                self._hold(mirror)
                 if state in ("releasing", "quarantined", "gone"):
                     core.let_go(entry, mirror.reason)
             elif entry.state is State.QUARANTINED and state == "gone":
@@ -676,6 +697,33 @@ class Connection:
                 self.mirrors.pop(mirror.id, None)
         self.runner.apply()
         self._wake(mirror)
+
+    def _hold(self, mirror: _Mirror) -> None:
+        """The daemon's lease and pin on a ready entry, as its process last reported them.
+
+        ``held``: leased there, so leased here, by the process. ``pinned``:
+        pinned here too, with no lease (pins are not leases: ``ps`` shows it
+        pinned, and ``lease.held`` never reports it); a pinned entry is no
+        candidate, so never a victim, nor a candidate for drain.
+        """
+        entry = mirror.entry
+        if entry is None or entry.state is not State.READY:
+            return
+        core = self.runner.core
+        now = self.runner.clock()
+        leased = mirror.state == "held"
+        if leased and not mirror.held:
+            core.hit(entry, self.holder)
+            mirror.held, mirror.holder = True, self.holder
+        # Pinned before its lease ends, so that the end leaves it resident.
+        pinned = mirror.state == "pinned"
+        if pinned != entry.pinned and isinstance(core, DaemonBooks):
+            core.pin(entry, pinned, now)
+        if not leased and mirror.held:
+            mirror.held = False
+            core.lease_end(entry, mirror.holder, now)
+            if not entry.leases and not entry.pinned:
+                self.runner.note_idle(entry)
 
     def _wake(self, mirror: _Mirror) -> None:
         mirror.reported.set()
@@ -706,7 +754,7 @@ class Connection:
                     )
                 if state in _HOLDING:
                     mirror.held, mirror.holder = True, self.holder
-                    raise _Refused(self.holder)
+                    raise _Refused(self.holder, functools.partial(self._hold, mirror))
                 if mirror.refused and state == "idle":
                     # Refused (held when asked), then idle again before this task
                     # looked: the process will not release it unless asked again.
@@ -824,6 +872,8 @@ class Daemon:
         self._kept: dict[str, anyio.Event] = {}
         #: How many kept holds each process has (``keep``).
         self._holding: dict[int, int] = {}
+        if isinstance(self.runner, DaemonRunner):
+            self.runner.owners = self.owners
 
     @property
     def peers_path(self) -> str:
@@ -1188,7 +1238,7 @@ class Daemon:
                     "state": "waiting" if entry.state is State.WAITING else entry.state.value,
                     "leases": entry.leases,
                     "idle_seconds": round(max(0.0, now - entry.idle_since), 3) if idle else None,
-                    "pinned": mirror is not None and mirror.state == "pinned",
+                    "pinned": entry.pinned,
                     "priority": entry.priority,
                     "waiting": core.waiters(entry),
                     "loads": None if mirror is None else mirror.loads,

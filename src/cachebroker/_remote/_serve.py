@@ -13,52 +13,14 @@ import anyio
 import structlog
 
 from .._errors import BrokerError
-from .._shell._config import _parse_env_ttl
-from .._sizes import parse_bytes
+from .._shell._config import _parse_env_ttl, budget_value
 from .._units import format_bytes
-from ..probes import NvidiaGPU, Probe, SystemMemory
 from ._daemon import GRACE, HELLO_TIMEOUT, MAX_PENDING, Daemon, DaemonBroker
 from ._protocol import default_address
 
-__all__ = ["add_parser", "parse_budget_spec", "run"]
+__all__ = ["add_parser", "run"]
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
-
-
-def parse_budget_spec(raw: str) -> int | dict[str, int | Probe]:
-    """``"24GiB"``, or ``"cuda:0=70GiB,ram=64GiB"``; a space may be probed instead.
-
-    ``ram=system`` follows the machine's available memory and
-    ``cuda:0=nvidia:0`` the free memory of NVIDIA GPU 0, each with an optional
-    headroom left free for everything else: ``ram=system-4GiB``.
-    """
-    raw = raw.strip()
-    if not raw:
-        raise ValueError("the budget is empty; give e.g. '24GiB' or 'cuda:0=70GiB,ram=64GiB'")
-    if "=" not in raw:
-        return parse_bytes(raw, what="budget")
-    spaces: dict[str, int | Probe] = {}
-    for part in raw.split(","):
-        name, sep, value = (text.strip() for text in part.partition("="))
-        if not sep or not name or not value:
-            raise ValueError(f"expected SPACE=AMOUNT, got {part.strip()!r}")
-        if name in spaces:
-            raise ValueError(f"space {name!r} is given twice")
-        spaces[name] = _space_value(name, value)
-    return spaces
-
-
-def _space_value(name: str, value: str) -> int | Probe:
-    device, _, headroom = value.partition("-")
-    room: int | str = headroom.strip() or 0
-    if device == "system":
-        return SystemMemory(headroom=room)
-    if device == "nvidia" or device.startswith("nvidia:"):
-        index = device.partition(":")[2] or "0"
-        if not index.isdigit():
-            raise ValueError(f"space {name!r}: expected nvidia:INDEX, got {device!r}")
-        return NvidiaGPU(int(index), headroom=room)
-    return parse_bytes(value, what=f"the budget of space {name!r}")
 
 
 def add_parser(commands: Any, name: str, help: str) -> None:
@@ -121,13 +83,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.budget is None:
         parser.error("give --budget (or set CACHEBROKER_BUDGET), e.g. --budget 'cuda:0=20GiB'")
     try:
-        budget = parse_budget_spec(args.budget)
+        # The grammar of Broker(budget=...) and CACHEBROKER_BUDGET, probed spaces included.
+        budget = budget_value(args.budget, what="--budget")
         idle_ttl = None if args.idle_ttl is None else _parse_env_ttl(args.idle_ttl)
         release_timeout = _parse_env_ttl(args.release_timeout)
         grace = _seconds(args.grace, "--grace", zero=True)
         max_pending = _count(args.max_pending, "--max-pending")
         hello_timeout = _seconds(args.hello_timeout, "--hello-timeout")
-    except (TypeError, ValueError) as exc:
+    except (ImportError, TypeError, ValueError) as exc:
         parser.error(str(exc))
     address = args.socket or os.environ.get("CACHEBROKER_ADDRESS") or default_address()
     logger = structlog.wrap_logger(

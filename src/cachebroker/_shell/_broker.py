@@ -31,6 +31,7 @@ from ._config import (
     ReleaseFunction,
     Releaser,
     alias_groups,
+    budget_value,
     env_arguments,
     eviction_priority,
     lease_slots,
@@ -61,8 +62,13 @@ class Broker:
     Args:
         budget: Bytes as an ``int``, a string such as ``"24GiB"``, a hardware
             probe (``cachebroker.probes``), or a mapping of space name to any
-            of these. A single quantity means one space named
-            ``"default"``. A budget of 0 everywhere turns retention off: every
+            of these; or the same as text, in the grammar of
+            ``CACHEBROKER_BUDGET`` and ``cachebroker serve --budget``:
+            ``"ram=16GiB,cuda:0=24GiB"``, with probed spaces as
+            ``"ram=system-4GiB"`` or ``"cuda:0=nvidia:0-1GiB"`` (device, then
+            the headroom). A single quantity means one space named
+            ``"default"``. A fractional number of bytes (``"0.5B"``) is an
+            error. A budget of 0 everywhere turns retention off: every
             acquire loads (concurrent ones still share a load) and a value is
             released as soon as its last lease ends.
         policy: Eviction policy: ``"lru"`` (the default) or a ``Policy`` instance.
@@ -142,7 +148,7 @@ class Broker:
         probe_interval: float = 1.0,
         tiers: Mapping[str, str] | None = None,
     ) -> None:
-        budget, probes = split_probes(budget)
+        budget, probes = split_probes(budget_value(budget))
         spaces = parse_budget(budget)
         lower = tier_map(tiers, spaces)
         memory_wait = positive_seconds(memory_wait, "memory_wait") if memory_wait else None

@@ -15,9 +15,9 @@ from typing import Any, Protocol, SupportsIndex, TypeVar, cast, runtime_checkabl
 
 from .._errors import InvalidArgument, OutOfSpace
 from .._policies import make_policy
-from .._sizes import parse_bytes, parse_size
+from .._sizes import budget_pairs, check_budget_mapping, parse_bytes, parse_size
 from .._units import DEFAULT_SPACE
-from ..probes import Probe
+from ..probes import NvidiaGPU, Probe, SystemMemory
 
 __all__ = [
     "BudgetValue",
@@ -27,6 +27,7 @@ __all__ = [
     "Releaser",
     "SizeSpec",
     "alias_groups",
+    "budget_value",
     "env_arguments",
     "is_async_callable",
     "non_negative_seconds",
@@ -152,21 +153,72 @@ def positive_seconds(value: object, what: str, *, inf_is_none: bool = False) -> 
     return seconds
 
 
-def split_probes(budget: Any) -> tuple[Any, dict[str, Probe]]:
-    """Separate probed spaces from fixed ones; probed ones start at their first reading."""
+def budget_value(budget: object, *, what: str = "budget") -> int | dict[str, int | Probe]:
+    """``budget`` read and checked: bytes, or each space's bytes or probe.
 
-    if isinstance(budget, Probe):
-        budget = {DEFAULT_SPACE: budget}
+    The one reader behind every door a budget comes in by: ``Broker(budget=...)``,
+    ``CACHEBROKER_BUDGET`` and ``cachebroker serve --budget`` (``what`` names the
+    door in errors). Text follows ``budget_pairs``'s grammar (``"24GiB"``,
+    ``"ram=16GiB,cuda:0=24GiB"``); each amount, in text or in a mapping, is
+    bytes (``int`` or ``"16GiB"``), a ``Probe`` or a callable returning
+    ``(total, free)``, or a probe written as text: ``"system"`` (the machine's
+    available memory) or ``"nvidia:INDEX"`` (an NVIDIA GPU's free memory),
+    each with an optional headroom, ``"system-4GiB"``. Amounts given alone
+    (not in a mapping) are the ``"default"`` space's.
+    """
+    if isinstance(budget, str):
+        budget = budget_pairs(budget, what=what)
+    if isinstance(budget, Mapping):
+        check_budget_mapping(budget, what=what)
+        return {
+            name: _space_amount(amount, space=name, what=f"{what} of space {name!r}")
+            for name, amount in budget.items()
+        }
+    amount = _space_amount(budget, space=DEFAULT_SPACE, what=what)
+    return amount if isinstance(amount, int) else {DEFAULT_SPACE: amount}
+
+
+def _space_amount(amount: object, *, space: str, what: str) -> int | Probe:
+    if isinstance(amount, Probe):
+        return amount
+    if isinstance(amount, str):
+        probe = _probe_text(amount.strip(), what=what)
+        if probe is not None:
+            return probe
+    elif callable(amount):
+        return Probe(amount, name=space)
+    return parse_bytes(amount, what=what)
+
+
+def _probe_text(text: str, *, what: str) -> Probe | None:
+    """``"system-4GiB"`` or ``"nvidia:0-1GiB"`` as a probe; ``None`` for anything else."""
+    device, _, headroom = text.partition("-")
+    device = device.strip()
+    room = headroom.strip() or 0
+    if device == "system":
+        return SystemMemory(headroom=_headroom(room, what))
+    if device == "nvidia" or device.startswith("nvidia:"):
+        index = device.partition(":")[2].strip() or "0"
+        if not index.isdigit():
+            raise InvalidArgument(f"{what}: expected nvidia:INDEX, got {device!r}")
+        return NvidiaGPU(int(index), headroom=_headroom(room, what))
+    return None
+
+
+def _headroom(room: str | int, what: str) -> int:
+    return parse_bytes(room, what=f"{what}: the headroom")
+
+
+def split_probes(budget: int | Mapping[str, int | Probe]) -> tuple[Any, dict[str, Probe]]:
+    """Separate probed spaces from fixed ones (``budget_value``'s result); probed ones
+    start at 0 bytes, until their first reading."""
     if not isinstance(budget, Mapping):
         return budget, {}
-    fixed: dict[str, Any] = {}
+    fixed: dict[str, int] = {}
     probes: dict[str, Probe] = {}
     for name, amount in budget.items():
         if isinstance(amount, Probe):
             probes[name] = amount
-            fixed[name] = 0
-        elif callable(amount):
-            probes[name] = Probe(amount, name=str(name))
             fixed[name] = 0
         else:
             fixed[name] = amount
@@ -239,7 +291,7 @@ def env_arguments(
             raise InvalidArgument(
                 "CACHEBROKER_BUDGET is not set; set it to e.g. '24GiB' or 'ram=16GiB,cuda:0=24GiB'"
             )
-        kwargs["budget"] = _env_value("CACHEBROKER_BUDGET", raw, _parse_env_budget)
+        kwargs["budget"] = _env_value("CACHEBROKER_BUDGET", raw, budget_value)
     raw = env.get("CACHEBROKER_IDLE_TTL")
     if raw is not None and raw.strip():
         kwargs["idle_ttl"] = _env_value("CACHEBROKER_IDLE_TTL", raw, _parse_env_ttl)
@@ -274,21 +326,6 @@ def _parse_env_tiers(raw: str) -> dict[str, str]:
             raise ValueError(f"space {upper!r} is given two lower tiers")
         tiers[upper] = lower
     return tiers
-
-
-def _parse_env_budget(raw: str) -> int | dict[str, int]:
-    if "=" not in raw:
-        return parse_bytes(raw.strip(), what="budget")
-    spaces: dict[str, int] = {}
-    for part in raw.split(","):
-        name, sep, amount = part.partition("=")
-        name = name.strip()
-        if not sep or not name:
-            raise InvalidArgument(f"expected SPACE=SIZE pairs separated by commas, got {part!r}")
-        if name in spaces:
-            raise InvalidArgument(f"space {name!r} is given twice")
-        spaces[name] = parse_bytes(amount.strip(), what=f"budget of space {name!r}")
-    return spaces
 
 
 def _parse_env_ttl(raw: str) -> float | None:

@@ -87,6 +87,11 @@ __all__ = ["Runner"]
 
 _DEBUG = logging.DEBUG
 
+#: Seconds the exit of a cache block (or of the broker) waits for releases and
+#: leases in silence; past them it says what it waits for, and for how long at
+#: most (``cachebroker.close.waiting``). Releases usually take far less.
+CLOSE_NOTICE = 1.0
+
 #: The entries whose loader the current task (or thread) runs: a request made
 #: from inside a loader must not wait for a load that waits for that loader.
 _LOADING: contextvars.ContextVar[tuple[Entry, ...]] = contextvars.ContextVar(
@@ -405,10 +410,31 @@ class Runner:
             self.apply()
         started = self.clock()
         limit = self.release_timeout
+        deadline = math.inf if limit is None else anyio.current_time() + limit
         with anyio.move_on_after(math.inf if limit is None else limit):
+            notice = CLOSE_NOTICE
+            if limit is None or limit > notice:
+                with anyio.move_on_after(notice):
+                    await cache.empty.wait()
+                if not cache.empty.is_set():
+                    self._note_close_wait(cache, deadline - anyio.current_time())
             await cache.empty.wait()
         cache.shut_wait = self.clock() - started
         return [entry.key for entry in owner.live if entry.leases]
+
+    def _note_close_wait(self, cache: Block, seconds: float) -> None:
+        """Say once what the exit of ``cache`` waits for, and ``seconds`` at most (inf: none)."""
+        name = cache.owner.name
+        live = sorted(cache.owner.live, key=lambda entry: repr(entry.key))
+        self.emit(
+            "warning",
+            ev.CLOSE_WAITING,
+            cache=name,
+            releases=[f"{name}:{e.key!r}" for e in live if e.state is State.RELEASING],
+            leases=[f"{name}:{e.key!r}" for e in live if e.leases],
+            loads=[f"{name}:{e.key!r}" for e in live if e.state is State.LOADING],
+            seconds=None if seconds == math.inf else round(max(0.0, seconds), 3),
+        )
 
     # ------------------------------------------------------------ for Cache and Lease
 
@@ -1232,7 +1258,7 @@ class Runner:
                         ev.LEASE_HELD,
                         cache=entry.owner.name,
                         key=entry.key,
-                        holders=[task_name(task) for task in entry.holders],
+                        holders=self._holder_names(entry),
                         seconds=round(now - since, 3),
                         waiting=sum(
                             len(w.joiners)
@@ -1242,6 +1268,10 @@ class Runner:
                     )
         self.held = held
         self._held_reported &= held.keys()
+
+    def _holder_names(self, entry: Entry) -> list[str]:
+        """How ``lease.held`` names ``entry``'s holders: by their tasks' names."""
+        return [task_name(task) for task in entry.holders]
 
     def _refresh_probes(self) -> None:
         """Re-read every probed space's device and set its capacity.

@@ -137,7 +137,8 @@ def resolve_budgets(
     """Turn each budget into bytes per space of the trace.
 
     A single quantity (``"48GiB"``, ``51539607552``) is the budget of the one
-    space the trace uses; a trace using several spaces needs a mapping.
+    space the trace uses; a trace using several spaces needs a mapping (or
+    its text, ``"ram=16GiB,cuda:0=24GiB"``, as for ``Broker(budget=...)``).
 
     Raises:
         InvalidArgument: a budget is malformed, or does not name every space the trace uses.
@@ -145,15 +146,16 @@ def resolve_budgets(
     spaces = sorted({space for request in requests for space in request.size}) or [_DEFAULT_SPACE]
     resolved: list[dict[str, int]] = []
     for budget in budgets:
-        if isinstance(budget, Mapping):
-            parsed = _parse_budget(budget)
-        else:
+        parsed = _parse_budget(budget)
+        named = isinstance(budget, Mapping) or (isinstance(budget, str) and "=" in budget)
+        if not named:
+            # One quantity: the budget of the one space that the trace uses.
             if len(spaces) > 1:
                 raise InvalidArgument(
                     f"the trace uses the spaces {', '.join(spaces)}: give each a budget, "
                     f"e.g. {','.join(f'{space}=24GiB' for space in spaces)}"
                 )
-            parsed = {spaces[0]: _parse_budget(budget)[_DEFAULT_SPACE]}
+            parsed = {spaces[0]: parsed[_DEFAULT_SPACE]}
         missing = [space for space in spaces if space not in parsed]
         if missing:
             raise InvalidArgument(

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO, Any, NoReturn
 
 from .._errors import InvalidArgument
-from .._sizes import parse_bytes
+from .._sizes import parse_budget, parse_bytes
 from .._units import format_bytes
 from . import (
     BUDGETS,
@@ -86,6 +86,12 @@ def add_parser(commands: Any, name: str, help: str) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="print no progress on standard error (a bar on a terminal, else a line per step)",
+    )
+    parser.add_argument(
         "--plot",
         metavar="FILE.png",
         help="draw reload seconds, hit ratio and the wait for space against budget",
@@ -145,7 +151,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             )
         used = sorted({space for request in requests for space in request.size})
         steps = len(budgets) * ((1 + len(tiers)) * (len(policies) + bound) + online)
-        with _progress(steps) as step:
+        with _progress(steps, quiet=args.quiet) as step:
             # Per budget: without a tier, then with each tier asked for.
             variants: list[list[Comparison]] = []
             for space, amount in [(None, 0), *tiers]:
@@ -239,16 +245,8 @@ def _budgets(values: list[str]) -> list[Any]:
         if not parts:
             raise InvalidArgument(f"--budget {value!r} names no budget")
         if any("=" in part for part in parts):
-            mapping: dict[str, int] = {}
-            for part in parts:
-                space, sep, amount = part.partition("=")
-                if not sep or not space.strip():
-                    raise InvalidArgument(
-                        f"--budget {value!r}: {part!r} is not SPACE=AMOUNT; a budget of several "
-                        "spaces names each, as in 'ram=16GiB,cuda:0=24GiB'"
-                    )
-                mapping[space.strip()] = parse_bytes(amount.strip(), what=f"budget of {space!r}")
-            budgets.append(mapping)
+            # One budget of several spaces, in the grammar of Broker(budget=...).
+            budgets.append(parse_budget(value, what="--budget"))
         else:
             budgets.extend(parse_bytes(part, what="--budget") for part in parts)
     return budgets
@@ -525,10 +523,23 @@ def _has(module: str) -> bool:
 
 
 @contextlib.contextmanager
-def _progress(steps: int) -> Iterator[Any]:
-    """A rich progress bar on a terminal's standard error; a no-op elsewhere."""
-    if not (sys.stderr.isatty() and _has("rich")):
+def _progress(steps: int, *, quiet: bool = False) -> Iterator[Any]:
+    """Progress on standard error: a rich bar on a terminal, else a line as each step starts.
+
+    (The whole built-in run takes half a minute; piped or logged, a silent
+    run looks hung.) Standard output carries the results alone.
+    """
+    if quiet:
         yield None
+        return
+    if not (sys.stderr.isatty() and _has("rich")):
+        done = [0]
+
+        def line(description: str) -> None:
+            done[0] += 1
+            print(f"simulate: step {done[0]}/{steps}: {description}", file=sys.stderr, flush=True)
+
+        yield line
         return
     from rich.progress import Progress
 
