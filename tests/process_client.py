@@ -6,9 +6,10 @@ files a ``wait`` step waits for; ``CONFIG`` JSON). It reports what it does on
 stdout, one JSON object a line, each with an ``"event"``. ``CONFIG["mode"]``:
 
 * ``steps``: run ``CONFIG["steps"]`` in order (``STEPS``): connect, acquire
-  (held, or in the background), release, read a lease's value, wait for a
-  signal, close; loaders and releasers may block forever, so that the test
-  can kill the process in the middle of one;
+  (held, or in the background), release, invalidate, read a lease's value,
+  wait for a signal, close; loaders and releasers may block forever, or until
+  a signal, so that the test can kill the process (or its daemon) in the
+  middle of one;
 * ``random``: a seeded run of acquires, holds, releases, timeouts,
   cancellations and failing loads across a few tasks, logging every load's
   start and every release's end with a monotonic timestamp (``random_run``);
@@ -73,6 +74,8 @@ class Steps:
         say("releasing", key=repr(key))
         if self.releaser == "forever":
             await anyio.sleep_forever()
+        if self.releaser.startswith("signal:"):  # until the test says so
+            await wait_signal(self.signals, self.releaser.partition(":")[2])
         say("released", key=repr(key))
 
     def loader(self, label: str, how: str) -> Callable[[], Awaitable[str]]:
@@ -80,6 +83,8 @@ class Steps:
             say("loading", label=label)
             if how == "forever":
                 await anyio.sleep_forever()
+            if how.startswith("signal:"):  # until the test says so
+                await wait_signal(self.signals, how.partition(":")[2])
             return f"{label}@{os.getpid()}"
 
         return load
@@ -88,7 +93,12 @@ class Steps:
         stack = contextlib.AsyncExitStack()
         try:
             self.broker = await stack.enter_async_context(
-                Broker.connect(self.address, reconnect=step.get("reconnect", True))
+                Broker.connect(
+                    self.address,
+                    reconnect=step.get("reconnect", True),
+                    reconnect_delay=step.get("reconnect_delay", 0.05),
+                    reconnect_max_delay=max(1.0, step.get("reconnect_delay", 0.05)),
+                )
             )
             self.cache = await stack.enter_async_context(
                 self.broker.cache(step.get("cache", "c"), self.release)
@@ -154,6 +164,12 @@ class Steps:
         except Exception as exc:
             say("error", op="value", label=step["label"], **error_fields(exc))
 
+    async def invalidate(self, step: Config) -> None:
+        assert self.tg is not None and self.cache is not None
+        cache = self.cache
+        self.tg.start_soon(cache.invalidate, step["key"])
+        say("invalidating", key=step["key"])
+
     async def wait(self, step: Config) -> None:
         await wait_signal(self.signals, step["signal"])
 
@@ -171,6 +187,7 @@ STEPS: dict[str, Callable[[Steps, Config], Awaitable[None]]] = {
     "value": Steps.value,
     "wait": Steps.wait,
     "stats": Steps.stats,
+    "invalidate": Steps.invalidate,
 }
 
 

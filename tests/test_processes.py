@@ -436,6 +436,82 @@ async def test_real_buffers_of_three_processes_stay_within_the_shared_budget(
         assert peak >= 2 * BUFFER  # the samples did see the buffers
 
 
+# ------------------------------------------------------------------ a daemon restarted
+
+
+@one_backend
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
+async def test_a_restarted_daemon_charges_what_a_process_holds_before_it_grants_to_another(
+    procs: Procs, signum: int
+) -> None:
+    """A daemon stopped (SIGTERM) or killed while a process holds a lease, loads a value
+    and releases another: the process reconnects and registers all three with the new
+    daemon, which grants another process nothing of that room (its gate holds every
+    grant until the process registered), and hands the room on once it is freed."""
+    with anyio.fail_after(60):
+        daemon = await procs.daemon("100")
+        first = procs.steps(
+            "first",
+            # (slow to come back: another process asks the new daemon before it is)
+            {"do": "connect", "reconnect_delay": 2.5},
+            {"do": "acquire", "key": "held", "size": 40},
+            {"do": "acquire", "key": "going", "size": 20, "hold": False},
+            {"do": "invalidate", "key": "going"},
+            {
+                "do": "acquire",
+                "key": "coming",
+                "size": 30,
+                "load": "signal:loaded",
+                "background": True,
+            },
+            {"do": "wait", "signal": "restarted"},
+            {"do": "value", "label": "held"},
+            {"do": "wait", "signal": "end"},
+            {"do": "close"},
+            releaser="signal:released",
+        )
+        await first.wait_for("loading", label="coming")
+        await first.wait_for("releasing", key="'going'")
+
+        def states(listing: Any) -> list[tuple[str, str, int]]:
+            return sorted(
+                (e["key"], e["state"], sum(e["charge"].values())) for e in listing["entries"]
+            )
+
+        held = [("'coming'", "loading", 30), ("'going'", "releasing", 20), ("'held'", "ready", 40)]
+        while states(await procs.listing()) != held:
+            await anyio.sleep(0.01)
+        daemon.kill(signum)
+        await daemon.exit()
+        await procs.daemon("100", name="daemon2")
+        # At once, before the first process is back: the new daemon must not grant it
+        # any of the 90 bytes the first holds (it waits for the first to register).
+        second = procs.steps(
+            "second",
+            {"do": "connect"},
+            {"do": "acquire", "key": "x", "size": 20, "timeout": 6, "hold": False},
+            {"do": "wait", "signal": "freed"},
+            {"do": "acquire", "key": "y", "size": 30, "timeout": 20, "hold": False},
+            {"do": "close"},
+        )
+        while states(await procs.listing()) != held:  # registered again, as they stand
+            await anyio.sleep(0.01)
+        procs.signal("restarted")
+        assert (await first.wait_for("value"))["value"] == f"held@{first.pid}"
+        refused = await second.wait_for("error", key="x")
+        assert refused["type"] == "AcquireTimeout", refused  # 90 of 100 are the first's
+        procs.signal("loaded")
+        procs.signal("released")
+        await first.wait_for("released", key="'going'")
+        procs.signal("freed")
+        assert (await second.wait_for("acquired", key="y"))["value"] == f"y@{second.pid}"
+        assert await second.exit() == 0, second.stderr()
+        procs.signal("end")
+        assert await first.exit() == 0, first.stderr()
+        while (await procs.listing())["entries"]:
+            await anyio.sleep(0.01)
+
+
 # ------------------------------------------------------------------ kill -9 a client
 
 
