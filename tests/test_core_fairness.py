@@ -262,6 +262,28 @@ def test_a_request_for_stranded_bytes_fails_at_once_as_before() -> None:
         ask(h, "big", 10 * MiB)
 
 
+def test_an_overdue_entry_written_off_then_returning_late_frees_nothing_twice() -> None:
+    h = Harness({"m": 10 * MiB})
+    late = overdue(h, "late", 6 * MiB)
+    h.core.forget(late)
+    h.drain()
+    assert h.used() == 0 and not h.core.overdue.entries
+    ask(h, "other", 8 * MiB)
+    h.core.release_done(late)  # its late return: already written off
+    h.drain()
+    assert h.used() == 8 * MiB
+    h.core.check()
+
+
+def test_an_owner_gone_with_an_overdue_release_takes_its_bytes() -> None:
+    h = Harness({"m": 10 * MiB})
+    overdue(h, "late", 6 * MiB)
+    h.core.drop_owner(h.owner)
+    h.drain()
+    assert h.used() == 0 and not h.core.overdue.entries
+    h.core.check()
+
+
 def test_an_overdue_release_refused_strands_its_bytes() -> None:
     """A release refused after its timeout (the daemon's owner leased it again) is not
     running any more: its bytes are stranded, as for one that raised."""
@@ -470,6 +492,13 @@ class FairnessMachine(RuleBasedStateMachine):
     @rule(key=KEYS)
     def invalidate(self, key: str) -> None:
         self.h.core.invalidate(self.h.owner, key)
+        self.h.drain()
+
+    @precondition(lambda self: "n" in self.h.core.canon_names)
+    @rule()
+    def learn_an_alias(self) -> None:
+        """n turns out to be m: pinned, ranked and overdue bytes move with the entries."""
+        self.h.core.merge_spaces("m", "n")
         self.h.drain()
 
     @invariant()

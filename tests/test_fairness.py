@@ -213,3 +213,28 @@ async def test_the_timeout_of_a_request_waiting_for_a_late_release_names_it() ->
         assert "m:'old'" in message
         plugin.go.set()
         await resident(cache, "big", 10 * MiB)
+
+
+async def test_leaving_the_cache_while_a_late_release_runs_strands_its_bytes() -> None:
+    """The block's exit cancels the release still running: nobody is left to return the
+    bytes, so they stay quarantined for ``forget()``, and a request waiting for them
+    (from another cache) fails with ``OutOfSpace`` at that moment."""
+    plugin = LateReleaser("old")
+    async with Broker(budget="10MiB", release_timeout=0.02) as broker:
+        async with broker.cache("other", release) as other:
+            outcome: dict[str, Any] = {}
+            async with anyio.create_task_group() as tg:
+                async with broker.cache("m", plugin) as cache:
+                    await resident(cache, "old", 10 * MiB)
+                    late = timed_out(broker)
+                    await tg.start(waiting, other, "big", 10 * MiB, outcome)
+                    await late.wait()
+                    await wait_all_tasks_blocked()
+                    assert outcome == {}
+                await wait_all_tasks_blocked()
+                assert isinstance(outcome["big"], OutOfSpace)
+            broker._runner.core.check()
+            stats = broker.stats_nowait()
+            assert stats.quarantined_keys == (("m", "old"),)
+            assert await broker.forget("m", "old") == 1
+            await resident(other, "big", 10 * MiB)
