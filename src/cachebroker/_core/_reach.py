@@ -45,7 +45,7 @@ from ._model import Entry, Space, State
 if TYPE_CHECKING:
     from ._books import Core
 
-__all__ = ["Overdue", "check", "out_of_reach", "sync", "why_no_room"]
+__all__ = ["Overdue", "check", "obstacles", "out_of_reach", "room_in", "sync", "why_no_room"]
 
 #: How many entries a reason names before it counts the rest.
 SHOWN = 3
