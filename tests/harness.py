@@ -24,9 +24,45 @@ from cachebroker._core import (
     StartLoad,
     StartMove,
     StartRelease,
+    State,
     Ticket,
 )
 from cachebroker._policies import LRU, Policy
+
+
+def never_evictable(core: Core, waiter: Entry, name: str) -> int:
+    """The bytes of space ``name`` that no eviction for ``waiter`` could return, recounted
+    from the entries (the rule of ``_core._reach``, stated independently of its totals):
+    ready pinned entries and ready ones of a higher priority (neither doomed), quarantined
+    ones whose release is not running any more, and its requesters' own leases."""
+    holders = [t.task for t in waiter.joiners if t.holds]
+    held = 0
+    for entry in core.entries():
+        amount = entry.charge.get(name, 0)
+        if entry.state is State.QUARANTINED:
+            if entry not in core.overdue.entries:
+                held += amount
+        elif entry.state is State.READY and (
+            (entry.doomed is None and (entry.pinned or entry.priority > waiter.priority))
+            or any(task in entry.holders for task in holders)
+        ):
+            held += amount
+    return held
+
+
+def waits_aside(core: Core, waiter: Entry) -> bool:
+    """Whether no eviction could ever let ``waiter`` in as the books stand (recounted):
+    in a space (in every one of its places), it needs more than the rest."""
+    spaces = core.spaces
+    if waiter.places is None:
+        return any(
+            amount > spaces[name].limit - never_evictable(core, waiter, name)
+            for name, amount in waiter.need.items()
+        )
+    amount = sum(waiter.need.values())
+    return all(
+        amount > spaces[name].limit - never_evictable(core, waiter, name) for name in waiter.places
+    )
 
 
 class Harness:

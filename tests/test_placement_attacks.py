@@ -37,7 +37,7 @@ from cachebroker import (
 from cachebroker._core import Entry, State, Ticket
 from cachebroker._policies import GDSF, make_policy
 from cachebroker._remote._daemon import Daemon, DaemonBroker
-from tests.harness import Harness
+from tests.harness import Harness, waits_aside
 
 BUDGET = {"gpu0": 100, "gpu1": 100, "gpu2": 60, "ram": 120}
 GPU_NAMES = ("gpu0", "gpu1", "gpu2")
@@ -62,7 +62,8 @@ class PlacementMachine(RuleBasedStateMachine):
     * first come first served per space: a grant never passes an earlier
       waiter (of its priority or above) that waits for the same space and
       could be granted there, unless the later request's task holds a
-      lease (holders pass);
+      lease (holders pass) or no eviction could let the earlier one in
+      (it waits aside: ``tests.harness.waits_aside``);
     * once every load, move and release has ended and every lease is given
       back, nothing waits and nothing is charged.
     """
@@ -104,11 +105,10 @@ class PlacementMachine(RuleBasedStateMachine):
                 continue
             if earlier.priority < later.priority:
                 continue
-            if any(
-                amount > core.spaces[name].limit - core.spaces[name].quarantined
-                for name, amount in earlier.need.items()
-            ):
+            if any(amount > core.spaces[name].attainable for name, amount in earlier.need.items()):
                 continue  # refused in this pass, after the grants
+            if waits_aside(core, earlier):
+                continue  # no eviction could let it in: it holds up nobody
             shared = set(earlier.need).intersection(later.need)
             if not shared and earlier.places is not None and self._nowhere(earlier):
                 # Served nowhere: first in line in every one of its places.

@@ -21,6 +21,10 @@ Modules, in reading order:
   they share with the modules below (grant, start a release, doom, ...);
 * ``_scheduler``: who gets space next: per-space FIFO grants, eviction,
   fairness for long waiters, refusal of requests that can never be granted;
+* ``_reach``: what room a waiter could ever reach (the bytes it may never
+  evict: pins, higher priorities, stranded quarantine, its own leases), the
+  quarantined entries whose release runs past its timeout (``Overdue``), and
+  why a waiter has no room, in words (``why_no_room``);
 * ``_aliases``: spaces learned to be one memory, and merging them;
 * ``_invariants``: ``Core.check()`` (the invariants below), ``STEPS`` and
   the test build that checks the books after each of them.
@@ -42,7 +46,11 @@ Invariants kept after every step:
 * a leased entry is never handed to the policy, so it is never a victim;
 * an entry queued for space has at least one requester waiting on it;
 * waiters are granted in arrival order within each space: a request never
-  overtakes an earlier one that shares a space with it.
+  overtakes an earlier one that shares a space with it, unless no eviction
+  could let that one in (it waits aside: ``_reach``);
+* per space, ``pinned`` and ``ranked`` are the bytes of ready, undoomed
+  entries, pinned and by priority; ``overdue`` is the part of
+  ``quarantined`` whose release still runs.
 """
 
 from ._books import Core

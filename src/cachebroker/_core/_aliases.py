@@ -118,6 +118,9 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
     kept.releasing += gone.releasing
     kept.idle_bytes += gone.idle_bytes
     kept.quarantined += gone.quarantined
+    kept.overdue += gone.overdue
+    # (``pinned`` and ``ranked`` moved with each entry's charge: ``_reach.sync``.)
+    assert not gone.pinned and not gone.ranked, (gone.pinned, gone.ranked)
     for name, target in list(canon.items()):
         if target == other:
             canon[name] = keep

@@ -29,7 +29,7 @@ from .._errors import (
 from .._policies import Policy, PolicyBase, PolicyEntry
 from .._policies._priorities import Priorities
 from .._units import format_bytes
-from . import _aliases, _invariants, _moves
+from . import _aliases, _invariants, _moves, _reach
 from ._aliases import canonical
 from ._effects import CancelLoad, Effect, OwnerEmpty, Quarantined, Settled, StartLoad, StartRelease
 from ._model import (
@@ -148,6 +148,7 @@ class Core:
         "moves_failed",
         "oom_retries",
         "orphans",
+        "overdue",
         "owners",
         "policy",
         "promote_history",
@@ -212,6 +213,8 @@ class Core:
         #: it cost one dict step each.
         self._settling: dict[Entry, bool] = {}
         self.quarantined: dict[Entry, BaseException] = {}
+        #: The quarantined entries whose release still runs past its timeout.
+        self.overdue = _reach.Overdue()
         #: Loads abandoned by their closing cache while still running (a worker
         #: thread cannot be stopped): ``releasing`` until the load returns and
         #: what it made is released (``load_abandoned``).
@@ -340,6 +343,7 @@ class Core:
         if priority is not None and priority != entry.priority:
             self._prepare_priority(priority)
             entry.priority = priority
+            _reach.sync(entry)
             if self._priorities is not None:
                 self._priorities.move(
                     entry,
@@ -700,6 +704,8 @@ class Core:
                     self.limit(entry, priority=priority)
                 if idle_ttl is not None or pin:
                     self._retune(entry, idle_ttl, pin, now)
+                elif priority is not None and self.queue:
+                    schedule(self)  # a waiter aside may evict it now
                 return None
         misses = self.misses
         self._prefetching = True
@@ -806,18 +812,26 @@ class Core:
             if error is not None:
                 raise error
 
-    def _shortage(self, owner: Owner, key: Hashable, name: str, amount: int) -> OutOfSpace | None:
-        """The error for ``amount`` bytes in space ``name`` if they can never be granted."""
+    def _shortage(
+        self, owner: Owner, key: Hashable, name: str, amount: int, priority: int | None = None
+    ) -> OutOfSpace | None:
+        """The error for ``amount`` bytes in space ``name`` if they can never be granted
+        (``priority``: the request's, for the reasons it gives; its cache's by default)."""
         space = self.spaces[name]
         if amount > space.limit:
             return RequestTooLarge(name, amount, space.limit, entry=f"{owner.name}:{key!r}")
         if amount > space.attainable:
-            shown = [f"{e.owner.name}:{e.key!r}" for e in self.quarantined if name in e.charge][:5]
+            stranded = [e for e in self.quarantined if name in e.charge and e not in self.overdue]
+            shown = [f"{e.owner.name}:{e.key!r}" for e in stranded][:5]
+            others = _reach.obstacles(
+                self, name, owner.priority if priority is None else priority, omit=("stranded",)
+            )
             return OutOfSpace(
                 f"{owner.name}:{key!r} needs {format_bytes(amount)} in space {name!r}, but "
-                f"{format_bytes(space.quarantined)} of its {format_bytes(space.limit)} are "
+                f"{format_bytes(space.stranded)} of its {format_bytes(space.limit)} are "
                 f"held by quarantined entries ({', '.join(shown)}): their releases failed, "
                 "so only broker.forget(cache, key) can return that memory"
+                + (f" (besides, {'; '.join(others)})" if others else "")
             )
         return None
 
@@ -923,20 +937,25 @@ class Core:
             if not pinned:
                 continue
             space = self.spaces[name]
-            room = (space.capacity if now else space.limit) - space.quarantined
+            room = (space.capacity if now else space.limit) - space.stranded
             if amount > room - sum(e.charge[name] for e in pinned):
                 shown = [(e.owner.name, e.key) for e in pinned]
                 written_off = (
-                    f" (or by writing off the {format_bytes(space.quarantined)} of quarantined "
+                    f" (or by writing off the {format_bytes(space.stranded)} of quarantined "
                     "entries with broker.forget())"
-                    if space.quarantined
+                    if space.stranded
                     else ""
+                )
+                # (The other bytes, for the whole picture: the verdict is the leases'.)
+                others = _reach.obstacles(
+                    self, name, owner.priority, pinned, omit=("stranded", "own")
                 )
                 return DeadlockError(
                     f"acquiring {owner.name}:{key!r} needs {format_bytes(amount)} in space "
                     f"{name!r}, which can only be freed by evicting entries leased by "
                     f"the requesting task itself: {', '.join(f'{c}:{k!r}' for c, k in shown)}"
-                    f"{written_off}; release them first",
+                    f"{written_off}; release them first"
+                    + (f" (besides, {'; '.join(others)})" if others else ""),
                     shown,
                 )
         return None
@@ -1076,6 +1095,7 @@ class Core:
                 entry.doomed = Reason.ABANDONED
             else:
                 owner.entries[entry.key] = entry
+        _reach.sync(entry)
         if rejected is not None:
             self._fail_joiners(entry, rejected)
         self._lease_joiners(entry)
@@ -1161,6 +1181,7 @@ class Core:
             _moves.queue_promotion(self, entry, entry.home)
         else:  # idle since its last lease ended, not since it moved
             self._rest(entry, entry.idle_since)
+        _reach.sync(entry)
         schedule(self)
 
     def move_failed(self, entry: Entry, error: BaseException) -> None:
@@ -1238,6 +1259,8 @@ class Core:
     def _set_charge(self, entry: Entry, charge: dict[str, int]) -> None:
         entry.charge = charge
         entry.weights = tuple((self.spaces[name], amount) for name, amount in charge.items())
+        if entry.kept is not None or entry.state is State.READY:
+            _reach.sync(entry)
 
     def _recharge(self, entry: Entry, measured: dict[str, int]) -> None:
         if self.canon:
@@ -1377,6 +1400,7 @@ class Core:
     def _start_release(self, entry: Entry, reason: Reason) -> None:
         self._leave_idle(entry)
         entry.state = State.RELEASING
+        _reach.sync(entry)
         for name, amount in entry.charge.items():
             self.spaces[name].releasing += amount
         self.evictions[reason] += 1
@@ -1428,8 +1452,17 @@ class Core:
         schedule(self)
 
     def release_failed(self, entry: Entry, error: BaseException) -> None:
-        """The release raised or timed out: the bytes stay charged, the entry is quarantined."""
+        """The release raised or timed out: the bytes stay charged, the entry is quarantined.
+
+        For an entry quarantined already by its release's timeout
+        (``release_overdue``), the release that ran on raised after all: its
+        bytes are stranded now, until ``forget``.
+        """
         if entry.state is not State.RELEASING:
+            if self.overdue.end(entry):
+                entry.error = self.quarantined[entry] = error
+                self.effects.append(Quarantined(entry))  # (for good, now: it says why)
+                self._strand()
             return
         for name, amount in entry.charge.items():
             self.spaces[name].releasing -= amount
@@ -1439,6 +1472,34 @@ class Core:
         self._gone(entry)
         self._quarantine(entry, error)
         schedule(self)
+
+    def release_overdue(self, entry: Entry, error: BaseException) -> None:
+        """The release did not return within its timeout, and still runs: quarantined.
+
+        As ``release_failed`` (the entry leaves its key, its bytes stay
+        charged, it is counted as a failed release and ``forget`` writes it
+        off), except that its bytes may come back: requests may wait for them
+        (``_reach.Overdue``), within their own timeout. The release's end is
+        reported as usual: ``release_done`` frees the bytes, ``release_failed``
+        strands them.
+        """
+        if entry.state is not State.RELEASING:
+            return
+        for name, amount in entry.charge.items():
+            self.spaces[name].releasing -= amount
+        self._unorphan(entry)
+        self.releases_failed += 1
+        self._hand_over(entry)
+        self._gone(entry)
+        self.overdue.add(entry)  # (first: its bytes are no stranded room)
+        self._quarantine(entry, error)
+        schedule(self)
+
+    def _strand(self) -> None:
+        """An overdue release ended without freeing its bytes: refuse who waited for them."""
+        if self._holding_waiters:
+            refuse_self_waits(self)
+        schedule(self)  # (refuses the waiters only forget() can serve now)
 
     def _quarantine(self, entry: Entry, error: BaseException) -> None:
         """Keep a gone entry's bytes charged: nobody knows whether its memory came back."""
@@ -1452,6 +1513,7 @@ class Core:
             refuse_self_waits(self)
 
     def _unquarantine(self, entry: Entry) -> None:
+        self.overdue.end(entry)
         del self.quarantined[entry]
         _shrink_if_empty(self.quarantined)
         for space, amount in entry.weights:
@@ -1599,6 +1661,7 @@ class Core:
         if entry.leases:
             self._detach(entry)
             entry.doomed = reason
+            _reach.sync(entry)
         else:
             self._start_release(entry, reason)
 
@@ -1628,6 +1691,8 @@ class Core:
         were meant for look for other room.
         """
         if entry.state is not State.RELEASING:
+            if self.overdue.end(entry):  # refused after its timeout: it stays quarantined
+                self._strand()
             return
         for name, amount in entry.charge.items():
             self.spaces[name].releasing -= amount
@@ -1635,6 +1700,7 @@ class Core:
         entry.leases += 1
         entry.holders.append(holder)
         self.busy[entry] = None
+        _reach.sync(entry)
         schedule(self)
 
     def let_go(self, entry: Entry, reason: Reason) -> None:
@@ -1799,6 +1865,8 @@ class Core:
         if self._remove is not None and entry.state is not State.WAITING:
             self._remove(entry)
         entry.state = State.GONE
+        if entry.kept is not None:
+            _reach.sync(entry)
         owner = entry.owner
         owner.live.discard(entry)
         _shrink_if_empty(owner.live)
@@ -1821,6 +1889,10 @@ class Core:
         """How many requests wait on ``entry``: those joined to its load (or its
         queueing), or, once it is ready, those waiting for a lease slot."""
         return len(entry.joiners)
+
+    def why_no_room(self, entry: Entry) -> str:
+        """Why the request of a waiting ``entry`` has no room yet, in words (``_reach``)."""
+        return _reach.why_no_room(self, entry)
 
     def check(self) -> None:
         """Assert the invariants of the package docstring (for tests and debugging)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import _reach
 from ._model import State
 from ._moves import freed, reserved
 
@@ -93,6 +94,7 @@ def check(books: Core) -> None:
         assert not books._unknown.gated, books._unknown
     else:
         assert not books._gate, "loads of unknown size wait, yet none is running"
+    _reach.check(books)
     for name in books.canon_names:
         space = books.spaces[name]
         assert space.used == used[name], (name, space.used, used[name])
@@ -131,6 +133,7 @@ STEPS = (
     "prefetch",
     "release_done",
     "release_failed",
+    "release_overdue",
     "release_refused",
     "request",
     "set_capacity",

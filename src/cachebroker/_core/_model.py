@@ -76,7 +76,10 @@ class Space:
         "idle_bytes",
         "limit",
         "name",
+        "overdue",
+        "pinned",
         "quarantined",
+        "ranked",
         "releasing",
         "used",
     )
@@ -91,17 +94,31 @@ class Space:
         self.used = 0
         self.releasing = 0
         self.idle_bytes = 0
-        #: The part of ``used`` held by quarantined entries: only ``forget()``
-        #: returns it, so a request above ``limit - quarantined`` fails fast.
+        #: The part of ``used`` held by quarantined entries.
         self.quarantined = 0
+        #: The part of ``quarantined`` whose release still runs past its
+        #: timeout: a late return frees it (``_reach.Overdue``).
+        self.overdue = 0
+        #: What no eviction returns, by the entries holding it (``_reach.sync``):
+        #: the bytes of ready pinned entries, and of the other ready entries
+        #: per priority (a request evicts none above its own). Doomed entries
+        #: (released when their last lease ends) are in neither.
+        self.pinned = 0
+        self.ranked: dict[int, int] = {}
 
     def fits(self, amount: int) -> bool:
         return self.used + amount <= self.capacity
 
     @property
+    def stranded(self) -> int:
+        """Quarantined bytes that only ``forget()`` returns (their release raised or
+        was given up): a request above ``limit - stranded`` fails fast."""
+        return self.quarantined - self.overdue
+
+    @property
     def attainable(self) -> int:
         """The most a request may need here without waiting on ``forget()``."""
-        return self.limit - self.quarantined
+        return self.limit - self.quarantined + self.overdue
 
 
 class Owner:
@@ -173,13 +190,14 @@ class Entry:
         "idle_seq",
         "idle_since",
         "joiners",
+        "kept",
         "key",
         "last_request",
         "leases",
         "need",
         "nested",
         "owner",
-        "pinned",
+        "pin",
         "places",
         "priority",
         "promote_cost",
@@ -247,7 +265,10 @@ class Entry:
         #: Per-entry idle TTL (``None``: the broker's); pinned entries are never
         #: eviction candidates and never expire while their cache is open.
         self.ttl: float | None = owner.ttl
-        self.pinned = False
+        self.pin = False
+        #: What it counts in its spaces' ``pinned`` or ``ranked`` (``_reach.sync``):
+        #: whether pinned, its priority and its weights then; ``None``: nothing.
+        self.kept: tuple[bool, int, tuple[tuple[Space, int], ...]] | None = None
         #: Why to release it when its last lease ends (invalidated, cleared, closing).
         self.doomed: Reason | None = None
         #: A releasing entry this one must wait for, and the reverse link.
@@ -271,6 +292,23 @@ class Entry:
     def idle(self) -> bool:
         """Whether the entry is an eviction candidate (loaded, no lease, not releasing)."""
         return self.idle_seq != 0
+
+    @property
+    def pinned(self) -> bool:
+        """Whether it stays resident whatever the policy and idle time (``configure``)."""
+        return self.pin
+
+    @pinned.setter
+    def pinned(self, value: bool) -> None:
+        # A property, not a slot, so that every writer (the daemon mirrors its
+        # processes' pins) keeps its spaces' ``pinned`` bytes right.
+        value = bool(value)
+        if value is not self.pin:
+            self.pin = value
+            if self.kept is not None:
+                from ._reach import sync
+
+                sync(self)
 
     def __repr__(self) -> str:
         return f"<Entry {self.owner.name}:{self.key!r} {self.state.value} leases={self.leases}>"

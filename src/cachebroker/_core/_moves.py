@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._effects import StartMove, StartRelease
 from ._model import Entry, Reason, State
+from ._reach import sync
 
 if TYPE_CHECKING:
     from ._books import Core
@@ -118,6 +119,7 @@ def evict_one(books: Core, victim: Entry, reason: Reason, short: Iterable[str]) 
             evict_one(books, other, reason, (lower,))
     books._leave_idle(victim)
     victim.state = State.MOVING
+    sync(victim)
     victim.target = target
     victim.promoting = False
     for name, amount in freed(victim).items():
@@ -247,6 +249,7 @@ def cancel_demotion(books: Core, entry: Entry) -> None:
         books.spaces[name].releasing -= amount
     entry.target = None
     entry.state = State.READY if entry.home is None else State.DEMOTED
+    sync(entry)
 
 
 def queue_promotion(books: Core, entry: Entry, need: dict[str, int] | None) -> None:

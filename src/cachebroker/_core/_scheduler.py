@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from ._effects import Settled
 from ._model import Entry, Reason, State
 from ._moves import evict_one, grant_demotions, reserved
+from ._reach import out_of_reach
 
 if TYPE_CHECKING:
     from ._books import Core
@@ -46,6 +47,12 @@ def schedule(books: Core) -> None:
     except for requests whose task holds a lease there (or whose loader
     holds a reservation there): the blocked waiter may be waiting for
     exactly that lease, so making them wait in turn would be a deadlock.
+    A waiter that no eviction could let in (``_reach.out_of_reach``: what
+    it needs exceeds, in a space, all but the bytes it may never evict:
+    pinned entries, higher priorities, stranded quarantine, its own leases)
+    waits *aside*: it keeps its place, so it is first in line again once
+    those bytes go, but it blocks nobody, drains nothing and evicts nothing
+    (first come, first served protects a request that waiting could serve).
     A waiter that can never be granted without ``forget()`` is refused.
     (A lease holder's request that quarantine leaves to its own leases or
     ``forget()`` alone is refused when the quarantine grows: ``refuse_self_waits``.)
@@ -90,7 +97,7 @@ def schedule(books: Core) -> None:
         opens = False  # one of its spaces has no unfinished waiter yet
         for name, amount in need.items():
             space = spaces[name]
-            if amount > space.limit - space.quarantined:
+            if amount > space.attainable:
                 attainable = False
             if name in blocked and priority <= blocked[name]:
                 behind = True
@@ -114,26 +121,30 @@ def schedule(books: Core) -> None:
             promised[name] = taken + amount
         if not attainable:
             refused.append(entry)
-        elif behind and not entry.holding:  # held back
-            _block(blocked, need, priority)
+        elif behind and not entry.holding:  # held back, unless it waits aside
+            if shortfall is None or not out_of_reach(books, entry):
+                _block(blocked, need, priority)
         # (Whether idle entries could cover it, first: the usual answer under contention.)
         elif shortfall is not None and not (
             coverable and evict(books, shortfall, up_to=entry.priority)
         ):
-            heads = (
-                {
-                    name: short
-                    for name, short in shortfall.items()
-                    if name not in blocked or priority > blocked[name]
-                }
-                if behind
-                else shortfall
-            )
-            _block(blocked, need, priority)
-            if entry.places is not None:  # the first in line in each of its places
-                _block(blocked, dict.fromkeys(entry.places, 0), priority)
-            if heads:
-                drain(books, entry, heads)
+            # (Unless no eviction could let it in: then it waits aside, in its
+            # place in line, blocking nobody and draining nothing: ``_reach``.)
+            if not out_of_reach(books, entry):
+                heads = (
+                    {
+                        name: short
+                        for name, short in shortfall.items()
+                        if name not in blocked or priority > blocked[name]
+                    }
+                    if behind
+                    else shortfall
+                )
+                _block(blocked, need, priority)
+                if entry.places is not None:  # the first in line in each of its places
+                    _block(blocked, dict.fromkeys(entry.places, 0), priority)
+                if heads:
+                    drain(books, entry, heads)
         elif grantable:  # promised, and granted at once
             grants.append(entry)
             continue
@@ -141,7 +152,7 @@ def schedule(books: Core) -> None:
             if opens:
                 unfinished.update(need)
             continue
-        for name, amount in need.items():  # Refused, held back or not covered: not promised.
+        for name, amount in need.items():  # Refused, held back, aside or not covered: not promised.
             promised[name] -= amount
     for entry in grants:
         books._grant(entry)
@@ -219,7 +230,7 @@ def refuse(books: Core, entry: Entry) -> None:
     """Fail a waiter that only ``forget()`` could ever grant (see ``Core._shortage``)."""
     error = None
     for name, amount in entry.need.items():
-        error = error or books._shortage(entry.owner, entry.key, name, amount)
+        error = error or books._shortage(entry.owner, entry.key, name, amount, entry.priority)
     assert error is not None, entry
     books._fail_waiting(entry, error)
 

@@ -1180,11 +1180,18 @@ class Runner:
         return before
 
     async def _watch_release(self, entry: Entry, scope: anyio.CancelScope, timeout: float) -> None:
+        """Quarantine ``entry`` once its release has run ``timeout`` seconds.
+
+        The release runs on (a releaser cannot be stopped safely): its bytes
+        are overdue, not lost, so requests may wait for them; ``_run_release``
+        reports its end (``release_done`` frees them, ``release_failed``
+        strands them until ``forget``).
+        """
         with scope:
             await anyio.sleep(timeout)
             entry.shell.timed_out = True
             self.release_timeouts += 1
-            self.core.release_failed(
+            self.core.release_overdue(
                 entry,
                 ReleaseFailed(
                     f"releasing {entry.owner.name}:{entry.key!r} was not acknowledged "
@@ -1595,23 +1602,11 @@ class Runner:
         raise _own_copy(outcome)
 
     def _waiting_for(self, entry: Entry) -> tuple[str | None, str]:
-        """What a request of ``entry`` waits for: ``AcquireTimeout.waiting_for``, and in words."""
+        """What a request of ``entry`` waits for: ``AcquireTimeout.waiting_for``, and in
+        words; waiting for space, why there is none (``Core.why_no_room``)."""
         waiting_for, what = _waiting_for(entry)
-        if waiting_for == "space" and not entry.gated:
-            above = {
-                name: sum(
-                    other.charge.get(name, 0)
-                    for other in self.core.entries()
-                    if other.idle_seq and other.priority > entry.priority
-                )
-                for name in entry.need
-            }
-            shown = ", ".join(f"{format_bytes(n)} in {s!r}" for s, n in above.items() if n)
-            if shown:
-                what += (
-                    f"; idle entries of a higher priority than its {entry.priority} hold "
-                    f"{shown}, and a request does not evict those"
-                )
+        if waiting_for == "space" and not entry.gated and entry.need:
+            what += f": {self.core.why_no_room(entry)}"
         return waiting_for, what
 
 
