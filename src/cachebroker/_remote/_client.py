@@ -22,7 +22,7 @@ import itertools
 import math
 import os
 import socket
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Hashable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -49,6 +49,9 @@ __all__ = ["ClientBooks", "ClientRunner", "Link", "Reconnect"]
 CONNECT_TIMEOUT = 10.0
 TOTALS_TIMEOUT = 5.0
 FINISH_TIMEOUT = 5.0
+
+#: Seconds a request that timed out waits for the daemon to say why.
+WHY_TIMEOUT = 1.0
 
 #: The longest key text sent (``repr(key)``, for ``cachebroker ps`` and errors).
 KEY_TEXT = 200
@@ -215,6 +218,12 @@ class ClientBooks(Core):
         Core._start_release(self, entry, reason)
         self.changed(entry)
 
+    def release_failed(self, entry: Entry, error: BaseException) -> None:
+        overdue = entry in self.overdue
+        Core.release_failed(self, entry, error)
+        if overdue:
+            self.changed(entry)  # (its release, past its timeout, raised after all)
+
     def _quarantine(self, entry: Entry, error: BaseException) -> None:
         if entry not in self.reasons:
             # Quarantined with no release started: its cache closed while it was
@@ -233,19 +242,21 @@ class ClientBooks(Core):
 
 
 #: Reports of an entry on its way out, which say why (``reason``).
-_LETTING_GO = frozenset({"releasing", "quarantined", "gone"})
+_LETTING_GO = frozenset({"releasing", "overdue", "quarantined", "gone"})
 
 #: Reports of an entry on its way out whose bytes this process may still hold.
-_HOLDING_BYTES = frozenset({"releasing", "quarantined"})
+_HOLDING_BYTES = frozenset({"releasing", "overdue", "quarantined"})
 
 
-def _report(entry: Entry) -> str:
-    """What the daemon is to know of ``entry`` now."""
+def _report(entry: Entry, overdue: bool = False) -> str:
+    """What the daemon is to know of ``entry`` now (``overdue``: in ``Core.overdue``)."""
     state = entry.state
     if state is State.READY:
         return "pinned" if entry.pinned else "held" if entry.leases else "idle"
     if state is State.LOADING or state is State.WAITING:
         return "loading"
+    if state is State.QUARANTINED and overdue:
+        return "overdue"  # (its release runs on past its timeout: the bytes may come back)
     return str(state.value)  # releasing, quarantined, gone
 
 
@@ -261,6 +272,16 @@ def _shut_down(stream: anyio.abc.SocketStream) -> None:
     """End both directions of ``stream``'s socket: its reader sees the end."""
     with contextlib.suppress(OSError, anyio.TypedAttributeLookupError):
         stream.extra(anyio.abc.SocketAttribute.raw_socket).shutdown(socket.SHUT_RDWR)
+
+
+class _Why:
+    """A question to the daemon: why a request has no room yet (``Link.ask_why``)."""
+
+    __slots__ = ("event", "text")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.text: str | None = None
 
 
 class _Admission:
@@ -318,6 +339,8 @@ class Link:
         self.admitting: dict[int, _Admission] = {}
         #: The entries whose load waits for the daemon's grant (``Runner.admitting``).
         self.awaiting: dict[Entry, None] = {}
+        #: Questions asked of the daemon (``ask_why``), by request number.
+        self._whys: dict[int, _Why] = {}
         self.dirty: dict[Entry, None] = {}
         #: Entries whose release the daemon asked for, and not yet told "releasing"
         #: (it need not be: the daemon waits for "gone" or "quarantined").
@@ -441,7 +464,7 @@ class Link:
             told = self.told.get(entry)
             if told is None:
                 continue  # not granted yet: nothing the daemon needs
-            now = _report(entry)
+            now = _report(entry, entry in core.overdue)
             if now == told:
                 continue
             message: dict[str, Any] = {"op": "report", "id": self.ids[entry], "state": now}
@@ -461,7 +484,7 @@ class Link:
                 if now == "releasing" and self.asked.pop(entry, False):
                     self.told[entry] = now  # the daemon asked for it: it knows
                     continue
-            if now == "quarantined":
+            if now in ("quarantined", "overdue"):
                 message["error"] = f"{entry.error!s:.500}"
             if now == "gone":
                 self._forget(entry)
@@ -519,6 +542,12 @@ class Link:
                     core = self.runner.core
                     assert isinstance(core, ClientBooks)
                     core.want(entry)
+            elif op == "why":
+                asked = self._whys.get(wire.field(message, "id", int))
+                if asked is not None:
+                    text = message.get("text")
+                    asked.text = f"{text:.2000}" if isinstance(text, str) else None
+                    asked.event.set()
             elif op == "totals":
                 self.totals = message
                 self._totals_had += 1
@@ -651,7 +680,7 @@ class Link:
             if cache not in open_caches and cache not in closed:
                 closed[cache] = None
                 messages.append({"op": "open", "cache": cache})
-            now = _report(entry)
+            now = _report(entry, entry in core.overdue)
             message: dict[str, Any] = {
                 "op": "adopt",
                 "id": id,
@@ -666,7 +695,7 @@ class Link:
             reason = core.reasons.get(entry)
             if now in _LETTING_GO and reason is not None:
                 message["reason"] = reason.value
-            if now == "quarantined":
+            if now in ("quarantined", "overdue"):
                 message["error"] = f"{entry.error!s:.500}"
             self.told[entry] = now
             messages.append(message)
@@ -789,6 +818,22 @@ class Link:
         id = self.ids.pop(entry, None)
         self.by_id.pop(id, None)  # type: ignore[arg-type]
         self.told.pop(entry, None)
+
+    def ask_why(self, entry: Entry) -> Callable[[], Awaitable[str | None]]:
+        """Ask the daemon why ``entry``'s request has no room yet; what awaits its answer."""
+        id = self.ids[entry]
+        asked = self._whys[id] = _Why()
+        self.post({"op": "why", "id": id})
+
+        async def answer() -> str | None:
+            try:
+                with anyio.move_on_after(WHY_TIMEOUT):
+                    await asked.event.wait()
+            finally:
+                self._whys.pop(id, None)
+            return asked.text
+
+        return answer
 
     async def fetch_totals(self) -> dict[str, Any] | None:
         """The daemon's books per space now (``Stats.broker_used``); ``None`` when it is gone."""
@@ -929,6 +974,18 @@ class ClientRunner(Runner):
     async def _admit(self, entry: Entry) -> BaseException | None:
         assert self.link is not None
         return await self.link.admit(entry)
+
+    def _ask_why(self, entry: Entry) -> Callable[[str], Awaitable[str]] | None:
+        link = self.link
+        if link is None or not link.online or link.told.get(entry, "") is not None:
+            return None
+        answer = link.ask_why(entry)
+
+        async def because(what: str) -> str:
+            text = await answer()
+            return what if not text else f"{what}: {text}"
+
+        return because
 
     def _waiting_for(self, entry: Entry) -> tuple[str | None, str]:
         link = self.link

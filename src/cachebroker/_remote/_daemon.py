@@ -78,10 +78,13 @@ _TRANSIENT = frozenset(
 )
 
 #: What a process's report may say of its entry.
-_REPORTS = frozenset({"held", "pinned", "idle", "releasing", "quarantined", "gone"})
+_REPORTS = frozenset({"held", "pinned", "idle", "releasing", "overdue", "quarantined", "gone"})
 
 #: How an entry may stand when a process registers it again (``adopt``).
-_ADOPTED = frozenset({"loading", "held", "pinned", "idle", "releasing", "quarantined"})
+_ADOPTED = frozenset({"loading", "held", "pinned", "idle", "releasing", "overdue", "quarantined"})
+
+#: Reports of an entry on its way out.
+_LETTING_GO = frozenset({"releasing", "overdue", "quarantined", "gone"})
 
 #: Reports that hold the entry (leased, or pinned): it is no victim.
 _HOLDING = frozenset({"held", "pinned"})
@@ -106,11 +109,16 @@ class _Refused(BaseException):
 
 
 class _FailedThere(Exception):
-    """The release failed in the owner's process: ``error`` says so, as the books will."""
+    """The release failed in the owner's process: ``error`` says so, as the books will.
 
-    def __init__(self, error: ReleaseFailed) -> None:
+    ``overdue``: it did not return within its timeout there, and still runs
+    (its bytes may come back: ``Core.release_overdue``).
+    """
+
+    def __init__(self, error: ReleaseFailed, *, overdue: bool = False) -> None:
         super().__init__(str(error))
         self.error = error
+        self.overdue = overdue
 
 
 class DaemonRunner(Runner):
@@ -133,7 +141,10 @@ class DaemonRunner(Runner):
             self.emit("info", ev.RELEASE_REFUSED, cache=entry.owner.name, key=entry.key)
             return False
         if isinstance(exc, _FailedThere):
-            self.core.release_failed(entry, exc.error)
+            if exc.overdue:
+                self.core.release_overdue(entry, exc.error)
+            else:
+                self.core.release_failed(entry, exc.error)
             return False
         return super()._release_failed(entry, exc)
 
@@ -395,6 +406,8 @@ class Connection:
             self.adopt(message)
         elif op == "registered":
             self.daemon.registered(self)
+        elif op == "why":
+            self.why(wire.field(message, "id", int))
         elif op == "cancel":
             self.cancel(wire.field(message, "id", int))
         elif op == "open":
@@ -523,12 +536,7 @@ class Connection:
                 self.mirrors.pop(mirror.id, None)
                 mirror.settled.set()
                 if not mirror.cancelled:
-                    names = {
-                        owner.name: name
-                        for owner, (connection, name) in self.daemon.owners.items()
-                        if connection is self
-                    }
-                    error = wire.encode_error(exc, names)
+                    error = wire.encode_error(exc, self.names())
                     self.post({"op": "fail", "id": mirror.id, "error": error})
                 return
         if scope.cancelled_caught:
@@ -564,6 +572,24 @@ class Connection:
         loading = None if block is None else block.owner.entries.get(mirror.key)
         return {} if loading is None else dict(loading.charge)
 
+    def names(self) -> dict[str, str]:
+        """This process's owner names in the books, each with its cache's name there."""
+        return {
+            owner.name: name
+            for owner, (connection, name) in self.daemon.owners.items()
+            if connection is self
+        }
+
+    def why(self, id: int) -> None:
+        """Say why request ``id`` has no room yet, in the books' words (``Core.why_no_room``)."""
+        mirror = self.mirrors.get(id)
+        block = None if mirror is None else mirror.space.block
+        entry = None if mirror is None or block is None else block.owner.entries.get(mirror.key)
+        text = None
+        if entry is not None and entry.state is State.WAITING and entry.need:
+            text = wire.rename(self.runner.core.why_no_room(entry), self.names())
+        self.post({"op": "why", "id": id, "text": text})
+
     def adopt(self, message: dict[str, Any]) -> None:
         """An entry the process holds since before this daemon started (``register``).
 
@@ -595,7 +621,7 @@ class Connection:
             mirror.loads = loads
         if "reason" in message:
             mirror.reason = _REASONS.get(str(message["reason"]), Reason.CAPACITY)
-        if state == "quarantined":
+        if state in ("quarantined", "overdue"):
             mirror.error = str(message.get("error", ""))
         ticket = self.runner.adopt(
             space.block.owner,
@@ -654,7 +680,7 @@ class Connection:
             mirror.refused = True
         if "reason" in message:
             mirror.reason = _REASONS.get(str(message["reason"]), Reason.CAPACITY)
-        if state == "quarantined":
+        if state in ("quarantined", "overdue"):
             mirror.error = str(message.get("error", ""))
         self.reconcile(mirror)
 
@@ -670,7 +696,7 @@ class Connection:
             space = spaces.get(name)
             if space is None:
                 raise ProtocolError(f"'report' message: no space {name!r} in {charge!r}")
-            if amount > space.limit and state not in ("releasing", "quarantined", "gone"):
+            if amount > space.limit and state not in _LETTING_GO:
                 raise ProtocolError(
                     f"'report' message: {state!r} with {charge!r}, above the space's whole budget"
                 )
@@ -684,10 +710,13 @@ class Connection:
         if entry is not None:
             if entry.state is State.READY:
                 self._hold(mirror)
-                if state in ("releasing", "quarantined", "gone"):
+                if state in _LETTING_GO:
                     core.let_go(entry, mirror.reason)
             elif entry.state is State.QUARANTINED and state == "gone":
                 core.release_done(entry)  # a late acknowledgement, or forgotten in the process
+            elif entry.state is State.QUARANTINED and state == "quarantined":
+                # (after "overdue": the release that ran on there raised after all)
+                core.release_failed(entry, ReleaseFailed(mirror.error))
             elif entry.state is State.QUARANTINED and state == "idle":
                 # Its release timed out here, then was refused there (leased meanwhile):
                 # it is an ordinary entry there, which forget() cannot write off. Ask
@@ -745,12 +774,13 @@ class Connection:
                 if state == "gone":
                     self.mirrors.pop(mirror.id, None)
                     return
-                if state == "quarantined":
+                if state in ("quarantined", "overdue"):
                     name = mirror.space.name
                     raise _FailedThere(
                         ReleaseFailed(
                             f"releasing {name}:{key!r} failed in process {self.pid}: {mirror.error}"
-                        )
+                        ),
+                        overdue=state == "overdue",
                     )
                 if state in _HOLDING:
                     mirror.held, mirror.holder = True, self.holder

@@ -257,6 +257,13 @@ _REFUSALS: dict[str, type[BrokerError]] = {
 }
 
 
+def rename(text: str, names: Mapping[str, str]) -> str:
+    """``text`` with each daemon-side owner name in ``names`` written as its cache's."""
+    for owner in sorted(names, key=len, reverse=True):  # (w@1.2 before w@1)
+        text = text.replace(owner, names[owner])
+    return text
+
+
 def encode_error(error: BaseException, names: Mapping[str, str]) -> dict[str, Any]:
     """``error`` for the wire, each daemon-side owner name in ``names`` written as its cache's.
 
@@ -265,9 +272,7 @@ def encode_error(error: BaseException, names: Mapping[str, str]) -> dict[str, An
     """
 
     def mine(text: str) -> str:
-        for owner in sorted(names, key=len, reverse=True):  # (w@1.2 before w@1)
-            text = text.replace(owner, names[owner])
-        return text
+        return rename(text, names)
 
     message = mine(str(error))
     if isinstance(error, _errors.OutOfSpace) and "broker.forget(" in message:

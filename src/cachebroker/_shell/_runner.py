@@ -1574,8 +1574,11 @@ class Runner:
         except TimeoutError:
             if ticket.outcome is None:
                 waiting_for, what = self._waiting_for(entry)
+                because = self._ask_why(entry)  # (asked before the request is withdrawn)
                 core.leave(ticket)
                 self.apply()
+                if because is not None:
+                    what = await because(what)
                 name = entry.owner.name
                 raise AcquireTimeout(
                     f"acquiring {name}:{entry.key!r} did not complete within {timeout:g}s: "
@@ -1600,6 +1603,15 @@ class Runner:
             return entry, None
         assert isinstance(outcome, BaseException)
         raise _own_copy(outcome)
+
+    def _ask_why(self, entry: Entry) -> Callable[[str], Awaitable[str]] | None:
+        """For a request that timed out waiting for another broker's grant: ask it why.
+
+        Called before the request is withdrawn; returns what completes the
+        words of ``_waiting_for`` with that broker's answer. In-process the
+        books know why themselves: ``None``.
+        """
+        return None
 
     def _waiting_for(self, entry: Entry) -> tuple[str | None, str]:
         """What a request of ``entry`` waits for: ``AcquireTimeout.waiting_for``, and in
