@@ -14,7 +14,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 import anyio
@@ -61,3 +61,23 @@ async def open_broker(kind: str, budget: Any, **settings: Any) -> AsyncIterator[
 def daemon_of(broker: Broker) -> Daemon | None:
     """The daemon a ``"connected"`` broker of ``open_broker`` talks to (``None`` for "local")."""
     return _DAEMONS.get(id(broker))
+
+
+async def quick(key: Hashable, value: Any) -> None:
+    """A releaser with nothing to free."""
+
+
+def loaded(value: Any) -> Callable[[], Any]:
+    """A loader that returns ``value``."""
+
+    async def load() -> Any:
+        return value
+
+    return load
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait (bounded) until ``condition()`` holds."""
+    with anyio.fail_after(10):
+        while not condition():
+            await anyio.sleep(0.001)

@@ -17,28 +17,11 @@ import pytest
 
 from cachebroker import AcquireTimeout
 
-from .brokers import open_broker
+from .brokers import loaded, open_broker, quick, until
 
 pytestmark = pytest.mark.anyio
 
 MiB = 1 << 20
-
-
-async def quick(key: Hashable, value: Any) -> None:
-    pass
-
-
-def loaded(value: Any) -> Any:
-    async def load() -> Any:
-        return value
-
-    return load
-
-
-async def until(condition: Any) -> None:
-    with anyio.fail_after(10):
-        while not condition():
-            await anyio.sleep(0.001)
 
 
 @pytest.mark.parametrize("blocker", ["priority", "pin"])

@@ -1464,14 +1464,7 @@ class Core:
                 self.effects.append(Quarantined(entry))  # (for good, now: it says why)
                 self._strand()
             return
-        for name, amount in entry.charge.items():
-            self.spaces[name].releasing -= amount
-        self._unorphan(entry)
-        self.releases_failed += 1
-        self._hand_over(entry)
-        self._gone(entry)
-        self._quarantine(entry, error)
-        schedule(self)
+        self._release_missed(entry, error)
 
     def release_overdue(self, entry: Entry, error: BaseException) -> None:
         """The release did not return within its timeout, and still runs: quarantined.
@@ -1485,13 +1478,18 @@ class Core:
         """
         if entry.state is not State.RELEASING:
             return
+        self._release_missed(entry, error, overdue=True)
+
+    def _release_missed(self, entry: Entry, error: BaseException, *, overdue: bool = False) -> None:
+        """A releasing entry's release raised or passed its timeout: it is quarantined."""
         for name, amount in entry.charge.items():
             self.spaces[name].releasing -= amount
         self._unorphan(entry)
         self.releases_failed += 1
         self._hand_over(entry)
         self._gone(entry)
-        self.overdue.add(entry)  # (first: its bytes are no stranded room)
+        if overdue:
+            self.overdue.add(entry)  # (first: its bytes are no stranded room)
         self._quarantine(entry, error)
         schedule(self)
 
