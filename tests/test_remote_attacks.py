@@ -135,8 +135,10 @@ async def test_a_request_waiting_for_another_process_s_busy_entry_is_not_starved
     # with overlapping leases, once FAIR_REQUESTS requests were served); here
     # too, not once the loop is over. A pinned entry, leased or not, is never
     # what the waiter waits for.
+    # (Bounds in rounds of the busy loop, not in time: a few round trips between
+    # the processes and the daemon take a few rounds, more on a loaded machine.)
     overlapping = case == "overlapping"
-    limit = 4 * FAIR_REQUESTS if overlapping else FAIR_REQUESTS // 4
+    limit = 4 * FAIR_REQUESTS if overlapping else FAIR_REQUESTS
     size = 50 if case == "beside-a-pinned-entry" else 60
     async with serving() as daemon:
         async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
