@@ -319,3 +319,37 @@ async def test_reconnect_gives_up_after_its_timeout(address: str) -> None:
 def test_reconnect_settings_are_checked(options: dict[str, Any], error: type) -> None:
     with pytest.raises(error, match="reconnect"):
         Broker.connect("/tmp/nowhere.sock", **options)
+
+
+async def test_restarts_in_quick_succession_leave_the_last_daemon_with_the_true_books(
+    address: str,
+) -> None:
+    """A daemon that goes again while the process registers with it (at any step of
+    that, the stops falling where they may): the process registers with the next one,
+    whose books charge exactly what it holds, once each."""
+    async with daemons(address) as run:
+        await run.start()
+        async with Broker.connect(address, reconnect_delay=0.001) as one:
+            async with one.cache("w", Plugin()) as c1:
+                held = await c1.acquire("held", load=value("H"), size=60)
+                async with c1.acquire("idle", load=value("I"), size=20):
+                    pass
+                for steps in range(6):
+                    await run.stop()
+                    await run.start()
+                    for _ in range(steps):  # (a few turns of registration, then gone)
+                        await anyio.lowlevel.checkpoint()
+                await run.stop()
+                last = await run.start()
+                await until(lambda: link_of(one).online and used(last) == 80)
+                await until(
+                    lambda: (
+                        listed(last)
+                        == [("'held'", "ready", 1, {"m": 60}), ("'idle'", "ready", 0, {"m": 20})]
+                    )
+                )
+                last.runner.core.check()
+                async with c1.acquire("more", load=value("M"), size=20, timeout=5) as lease:
+                    assert lease.value == "M"
+                assert held.value == "H"
+                await held.release()
