@@ -77,17 +77,28 @@ def budget_pairs(text: str, *, what: str = "budget") -> str | dict[str, str]:
         raise InvalidArgument(f"{what} is empty; give e.g. '24GiB' or 'ram=16GiB,cuda:0=24GiB'")
     if "=" not in stripped:
         return stripped
+    return space_pairs(text, what=what, form="SPACE=AMOUNT", example="ram=16GiB,cuda:0=24GiB")
+
+
+def space_pairs(
+    text: str, *, what: str, form: str, example: str, twice: str = "is given twice"
+) -> dict[str, str]:
+    """``"a=x, b=y"``: each space and what is written for it (budgets, tiers).
+
+    ``form`` and ``example`` word the error for a malformed pair, ``twice``
+    the one for a space given twice.
+    """
     pairs: dict[str, str] = {}
-    for part in stripped.split(","):
-        name, sep, amount = (piece.strip() for piece in part.partition("="))
-        if not sep or not name or not amount:
+    for part in text.strip().split(","):
+        name, sep, value = (piece.strip() for piece in part.partition("="))
+        if not sep or not name or not value:
             raise InvalidArgument(
-                f"{what} {text!r}: expected SPACE=AMOUNT pairs separated by commas, "
-                f"as in 'ram=16GiB,cuda:0=24GiB', got {part.strip()!r}"
+                f"{what} {text!r}: expected {form} pairs separated by commas, "
+                f"as in {example!r}, got {part.strip()!r}"
             )
         if name in pairs:
-            raise InvalidArgument(f"{what} {text!r}: space {name!r} is given twice")
-        pairs[name] = amount
+            raise InvalidArgument(f"{what} {text!r}: space {name!r} {twice}")
+        pairs[name] = value
     return pairs
 
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol, SupportsIndex, TypeVar, cast, runtime_checkabl
 
 from .._errors import InvalidArgument, OutOfSpace
 from .._policies import make_policy
-from .._sizes import budget_pairs, check_budget_mapping, parse_bytes, parse_size
+from .._sizes import budget_pairs, check_budget_mapping, parse_bytes, parse_size, space_pairs
 from .._units import DEFAULT_SPACE
 from ..probes import NvidiaGPU, Probe, SystemMemory
 
@@ -314,18 +314,13 @@ def _env_value(name: str, raw: str, parse: Callable[[str], T]) -> T:
 
 def _parse_env_tiers(raw: str) -> dict[str, str]:
     """``"cuda:0=ram,cuda:1=ram"``: each space and the space below it."""
-    tiers: dict[str, str] = {}
-    for part in raw.split(","):
-        upper, sep, lower = (text.strip() for text in part.partition("="))
-        if not sep or not upper or not lower:
-            raise ValueError(
-                f"expected comma-separated 'space=lower space' pairs such as "
-                f"'cuda:0=ram', got {part.strip()!r}"
-            )
-        if upper in tiers:
-            raise ValueError(f"space {upper!r} is given two lower tiers")
-        tiers[upper] = lower
-    return tiers
+    return space_pairs(
+        raw,
+        what="tiers",
+        form="space=lower space",
+        example="cuda:0=ram",
+        twice="is given two lower tiers",
+    )
 
 
 def _parse_env_ttl(raw: str) -> float | None:
