@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -26,6 +26,7 @@ import pytest
 from cachebroker import AcquireTimeout, Broker, BrokerClosed, InvalidArgument
 from cachebroker._remote._client import ClientRunner, Link
 from cachebroker._remote._daemon import Daemon, DaemonBroker
+from tests.test_remote import Plugin, used
 
 pytestmark = pytest.mark.anyio
 
@@ -104,25 +105,10 @@ def link_of(broker: Broker) -> Link:
     return runner.link
 
 
-def used(daemon: Daemon, space: str = "m") -> int:
-    return daemon.runner.core.spaces[space].used
-
-
 def listed(daemon: Daemon) -> list[tuple[str, str, int, dict[str, int]]]:
     return sorted(
         (e["key"], e["state"], e["leases"], e["charge"]) for e in daemon.listing()["entries"]
     )
-
-
-class Plugin:
-    def __init__(self) -> None:
-        self.released: list[Hashable] = []
-        self.gate: anyio.Event | None = None
-
-    async def release(self, key: Hashable, value: Any) -> None:
-        if self.gate is not None:
-            await self.gate.wait()
-        self.released.append(key)
 
 
 def value(v: Any, gate: anyio.Event | None = None) -> Callable[[], Any]:
