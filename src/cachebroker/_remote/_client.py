@@ -17,7 +17,6 @@ entry; one that this process leased again meanwhile is refused, by the
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import os
@@ -41,6 +40,7 @@ from .._shell._config import MoveFunction, ReleaseFunction, oom_error_types
 from .._shell._runner import Runner
 from . import _protocol as wire
 from ._protocol import ProtocolError
+from ._sockets import connect
 
 __all__ = ["ClientBooks", "ClientRunner", "Link", "Reconnect"]
 
@@ -268,12 +268,6 @@ def _key_text(key: Hashable) -> str:
     return text if len(text) <= KEY_TEXT else text[: KEY_TEXT - 3] + "..."
 
 
-def _shut_down(stream: anyio.abc.SocketStream) -> None:
-    """End both directions of ``stream``'s socket: its reader sees the end."""
-    with contextlib.suppress(OSError, anyio.TypedAttributeLookupError):
-        stream.extra(anyio.abc.SocketAttribute.raw_socket).shutdown(socket.SHUT_RDWR)
-
-
 class _Why:
     """A question to the daemon: why a request has no room yet (``Link.ask_why``)."""
 
@@ -370,7 +364,7 @@ class Link:
             )
         try:
             with anyio.fail_after(CONNECT_TIMEOUT):
-                stream = await anyio.connect_unix(address)
+                stream = await connect(address)
                 try:
                     uid, _pid = wire.peer(stream)
                     if uid is not None and uid != os.getuid():
@@ -581,23 +575,21 @@ class Link:
     async def _serve(self) -> BaseException:
         """Read and write until the connection ends; what ended it.
 
-        The reader is never cancelled in a receive (on asyncio, closing a
-        UNIX stream whose receive is being cancelled raises from a loop
-        callback, anyio#1267): a writer that fails shuts the socket down,
-        and the reader, seeing the end, stops the writer.
+        Whichever of the reader and the writer ends first stops the other
+        (a receive cancelled in ``_sockets``' streams leaves nothing behind).
         """
         stream = self.stream
         assert stream is not None
         ended: list[BaseException] = []
-
-        async def write() -> None:
-            try:
-                await self.writer()
-            except Exception as exc:  # (the connection's end, never the application's)
-                ended.append(exc)
-                _shut_down(stream)
-
         async with anyio.create_task_group() as tg:
+
+            async def write() -> None:
+                try:
+                    await self.writer()
+                except Exception as exc:  # (the connection's end, never the application's)
+                    ended.append(exc)
+                    tg.cancel_scope.cancel()
+
             tg.start_soon(write)
             try:
                 await self.reader()

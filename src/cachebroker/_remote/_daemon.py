@@ -47,6 +47,7 @@ from .._shell._config import positive_seconds
 from .._shell._runner import Runner
 from . import _protocol as wire
 from ._protocol import ProtocolError
+from ._sockets import connect, listen
 
 __all__ = ["Daemon", "DaemonBroker"]
 
@@ -1386,13 +1387,13 @@ async def _listen(address: str) -> anyio.abc.SocketListener:
                 "remove it or choose another path (--socket)"
             )
         try:
-            stream = await anyio.connect_unix(address)
+            stream = await connect(address)
         except OSError:
             os.unlink(address)  # a stale socket: its daemon is gone
         else:
             await stream.aclose()
             raise InvalidArgument(f"a broker already serves {address}")
-    return await anyio.create_unix_listener(address, mode=0o600)
+    return await listen(address)
 
 
 def _unlink(address: str, inode: int) -> None:

@@ -11,6 +11,7 @@ import anyio
 
 from .._units import format_bytes
 from . import _protocol as wire
+from ._sockets import connect
 
 __all__ = ["add_parser", "fetch", "render", "run"]
 
@@ -29,7 +30,7 @@ def add_parser(commands: Any, name: str, help: str) -> None:
 async def fetch(address: str) -> dict[str, Any]:
     """The daemon's listing: ``daemon`` (pid, address, used, budget), ``processes``, ``entries``."""
     with anyio.fail_after(10):
-        async with await anyio.connect_unix(address) as stream:
+        async with await connect(address) as stream:
             reader, welcome = await wire.greet(stream, observer=True)
             if welcome["op"] != "welcome":
                 raise wire.ProtocolError(str(welcome.get("message", welcome)))

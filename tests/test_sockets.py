@@ -1,0 +1,166 @@
+"""The daemon's and the clients' Unix sockets (``cachebroker._remote._sockets``).
+
+On asyncio, an accept or a receive cancelled in the loop turn its socket
+turns readable must leave no callback to fail in the loop (anyio's pytest
+plugin fails a test whose loop reported one), and must lose nothing: the
+connection is accepted, and the bytes received, by the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import pytest
+
+from cachebroker._remote import _protocol as wire
+from cachebroker._remote._sockets import connect, listen
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def path() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="cb-", dir="/tmp")  # (socket paths are short)
+    try:
+        yield os.path.join(directory, "s.sock")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def blocking_client(path: str) -> socket.socket:
+    """A plain socket connected at once (the listener's backlog takes it)."""
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(path)
+    return client
+
+
+@contextlib.asynccontextmanager
+async def pair(path: str) -> AsyncIterator[tuple[anyio.abc.SocketStream, anyio.abc.SocketStream]]:
+    async with await listen(path) as listener:
+        client = await connect(path)
+        server = await listener.accept()
+        async with client, server:
+            yield client, server
+
+
+async def test_an_accept_cancelled_as_a_connection_arrives_leaves_it_to_the_next(
+    path: str,
+) -> None:
+    """On asyncio the loop's next turn polls first (the listener is readable), then
+    runs this task, which cancels the accept before its wake-up runs; elsewhere the
+    accept may win. Either way the connection is accepted once, and nothing fails."""
+    async with await listen(path) as listener:
+        got: list[anyio.abc.SocketStream] = []
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with client:
+            async with anyio.create_task_group() as tg:
+                scope = anyio.CancelScope()
+
+                async def accepting() -> None:
+                    with scope:
+                        got.append(await listener.accept())
+
+                tg.start_soon(accepting)
+                await anyio.wait_all_tasks_blocked()  # (the accept waits for its socket)
+                client.connect(path)  # (at once: the listener's backlog takes it)
+                await anyio.lowlevel.checkpoint()
+                scope.cancel()
+            with anyio.fail_after(5):
+                stream = got[0] if got else await listener.accept()
+            async with stream:
+                client.sendall(b"after")
+                assert await stream.receive() == b"after"
+
+
+async def test_a_receive_cancelled_as_bytes_arrive_leaves_them_to_the_next(path: str) -> None:
+    async with await listen(path) as listener:
+        with blocking_client(path) as client:
+            stream = await listener.accept()
+            async with stream:
+                got: list[bytes] = []
+                async with anyio.create_task_group() as tg:
+                    scope = anyio.CancelScope()
+
+                    async def receiving() -> None:
+                        with scope:
+                            got.append(await stream.receive())
+
+                    tg.start_soon(receiving)
+                    await anyio.wait_all_tasks_blocked()
+                    client.sendall(b"bytes")
+                    await anyio.lowlevel.checkpoint()
+                    scope.cancel()
+                with anyio.fail_after(5):
+                    if not got:
+                        got.append(await stream.receive())
+                assert got == [b"bytes"]
+
+
+async def test_bytes_go_both_ways_in_order_through_backpressure(path: str) -> None:
+    """A send far bigger than the socket's buffers completes once the peer reads it."""
+    big = os.urandom(4 << 20)
+    async with pair(path) as (client, server):
+        got = bytearray()
+        async with anyio.create_task_group() as tg:
+
+            async def read_all() -> None:
+                while len(got) < len(big):
+                    got.extend(await server.receive(1 << 16))
+                    await anyio.lowlevel.checkpoint()
+
+            tg.start_soon(read_all)
+            with anyio.fail_after(20):
+                await client.send(big)
+        assert bytes(got) == big
+        await server.send(b"back")
+        assert await client.receive(2) == b"ba"  # (a chunk bigger than asked is split)
+        assert await client.receive() == b"ck"
+
+
+async def test_the_end_of_a_stream_and_a_closed_stream_are_told_apart(path: str) -> None:
+    async with pair(path) as (client, server):
+        await client.send(b"last")
+        await client.send_eof()
+        assert await server.receive() == b"last"
+        with pytest.raises(anyio.EndOfStream):
+            await server.receive()
+        await server.send(b"still open the other way")
+        assert await client.receive() == b"still open the other way"
+        await client.aclose()
+        with pytest.raises(anyio.ClosedResourceError):
+            await client.receive()
+        with pytest.raises(anyio.ClosedResourceError):
+            await client.send(b"x")
+
+
+async def test_a_peer_gone_ends_the_stream_and_breaks_sending(path: str) -> None:
+    async with pair(path) as (client, server):
+        await server.aclose()
+        with anyio.fail_after(5):
+            with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                await client.receive()
+            with pytest.raises((anyio.BrokenResourceError, anyio.ClosedResourceError)):  # noqa: PT012
+                for _ in range(100):  # (the first sends may still be buffered)
+                    await client.send(b"x" * 65536)
+
+
+async def test_a_stream_knows_its_peer_and_refuses_two_readers(path: str) -> None:
+    async with pair(path) as (client, server):
+        assert wire.peer(server) == (os.getuid(), os.getpid())
+        assert wire.peer(client) == (os.getuid(), os.getpid())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.receive)
+            await anyio.wait_all_tasks_blocked()
+            with pytest.raises(anyio.BusyResourceError):
+                await server.receive()
+            await client.send(b"x")
+        with pytest.raises(ValueError, match="max_bytes"):
+            await server.receive(0)
