@@ -11,18 +11,40 @@ import types
 from collections.abc import Awaitable, Callable, Generator, Hashable
 from threading import get_ident
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 from .. import _log_events as ev
-from .._core import Entry, State
+from .._core import Entry, Owner, State
 from .._errors import LeaseReleased
 from ._backend import wrong_thread
 from ._config import SizeSpec
 
 if TYPE_CHECKING:
-    from ._cache import Cache
+    from ._actor import Actor
 
 __all__ = ["Lease"]
+
+
+class _Source(Protocol):
+    """What a lease reads of the cache that made it (``Cache``, which imports this)."""
+
+    name: str
+    _actor: Actor
+    _entries: dict[Hashable, Entry]
+    _owner: Owner
+
+    async def _acquire_slow(
+        self,
+        key: Hashable,
+        load: Callable[[], Any],
+        size: SizeSpec,
+        timeout: float | None,
+        cost: float | None = ...,
+        measure: Callable[[Any], Any] | None = ...,
+        limits: tuple[int | None, int | None] | None = ...,
+        places: tuple[str, ...] | None = ...,
+    ) -> tuple[Entry, object]: ...
+
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -77,7 +99,7 @@ class Lease(Generic[T_co]):
     # No __init__: ``Cache.acquire`` fills the fields in (``Lease()`` costs less than a call
     # to __init__, and the hit path builds one lease per call).
     if TYPE_CHECKING:
-        _cache: Cache
+        _cache: _Source
         key: Hashable
         _load: Callable[[], Any]
         _size: SizeSpec
