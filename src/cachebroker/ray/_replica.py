@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 import anyio
 import anyio.abc
@@ -35,9 +35,6 @@ from .._shell import Broker, Cache
 from .._shell._backend import exit_task_group, running_backend
 from .._stats import Stats
 
-if TYPE_CHECKING:
-    from ._multiplex import Models
-
 __all__ = [
     "INFO_LABELS",
     "MetricSink",
@@ -48,6 +45,21 @@ __all__ = [
     "hosted",
     "shutdown",
 ]
+
+
+class Loader(Protocol):
+    """What the replica reads of a loader of models (``Models``, which imports this)."""
+
+    name: str
+
+    async def _release(self, model_id: str, model: Any) -> None: ...
+    def _on_event(self, event: str, fields: Mapping[str, Any]) -> None: ...
+    def model_ids(self) -> list[str]: ...
+    def _ready_charges(self) -> list[Mapping[str, int]]: ...
+    def _sizes(self) -> dict[str, dict[str, int]]: ...
+    def _waiting_ids(self) -> list[str]: ...
+    def _reported(self) -> list[str]: ...
+
 
 #: Seconds between two reports of model ids to Ray (Ray's own multiplexer pushes every 0.1 s).
 REPORT_EVERY: Final = 0.1
@@ -344,9 +356,9 @@ class Replica:
         self._closing = anyio.Event()
         self._stopped = anyio.Event()
         self._changed = anyio.Event()
-        self._models: list[Models[Any]] = []
-        self._caches: dict[Models[Any], Cache] = {}
-        self._opening: dict[Models[Any], anyio.Event] = {}
+        self._models: list[Loader] = []
+        self._caches: dict[Loader, Cache] = {}
+        self._opening: dict[Loader, anyio.Event] = {}
         self._task: asyncio.Task[None] | None = None
         self._exporter: _Exporter | None = None
 
@@ -463,7 +475,7 @@ class Replica:
             raise BrokerClosed("the replica's broker is closed")
         return self._broker
 
-    async def cache(self, models: Models[Any]) -> Cache:
+    async def cache(self, models: Loader) -> Cache:
         """Open the cache of ``models`` (once) in the replica's task group."""
         await self.broker()
         while (cache := self._caches.get(models)) is None:
@@ -488,9 +500,7 @@ class Replica:
             del self._opening[models]
             opening.set()
 
-    async def _run_cache(
-        self, models: Models[Any], *, task_status: anyio.abc.TaskStatus[Cache]
-    ) -> None:
+    async def _run_cache(self, models: Loader, *, task_status: anyio.abc.TaskStatus[Cache]) -> None:
         broker = self._broker
         assert broker is not None
         broker.add_listener(models._on_event)
@@ -570,7 +580,7 @@ class Replica:
         if self._broker is not None:
             self._broker._runner.emit(level, event, **fields)
 
-    def loaders(self) -> list[Models[Any]]:
+    def loaders(self) -> list[Loader]:
         return list(self._models)
 
 
