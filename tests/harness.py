@@ -91,12 +91,19 @@ class Harness:
         self.quarantined: list[Entry] = []
         self.emptied: list[Owner] = []
 
+    #: Rounds of effects that one step may cause: a step of the books that keeps
+    #: causing effects (a livelock) fails the test here instead of hanging it.
+    MAX_ROUNDS = 10_000
+
     def drain(self) -> None:
         core = self.core
-        while core.effects:
+        for _ in range(self.MAX_ROUNDS):
+            if not core.effects:
+                return
             effects, core.effects = core.effects, []
             for effect in effects:
                 self.perform(effect)
+        raise AssertionError(f"the books still cause effects after {self.MAX_ROUNDS} rounds")
 
     def perform(self, effect: Effect) -> None:
         """Do what the shell would, or record the effect for the test to act on."""

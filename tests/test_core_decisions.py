@@ -1,0 +1,328 @@
+"""The scheduler's decisions, tested where they are made: the books, with no event loop.
+
+Placement (which space a request with ``spaces=`` goes to), the grants of one
+pass (never more than the bytes that pass has not promised), draining (which
+leased entries stop taking leases for a long-waiting request), and merging
+two spaces that turn out to be one memory while entries live in both. Each
+test drives ``Core`` through ``tests.harness.Harness``, whose ``drain`` fails
+a step that never settles instead of hanging.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cachebroker._core import Entry, Reason, State, Ticket
+from tests.harness import Harness
+
+GPUS = ("gpu0", "gpu1")
+
+
+def gpus(budget: int = 100, **options: Any) -> Harness:
+    return Harness({"gpu0": budget, "gpu1": budget}, **options)
+
+
+def place(
+    h: Harness,
+    key: str,
+    size: int,
+    *,
+    cost: float | None = None,
+    task: Any = "t",
+    priority: int | None = None,
+) -> Ticket:
+    ticket = h.core.request(
+        h.owner, key, {GPUS[0]: size}, task, cost=cost, places=GPUS, priority=priority
+    )
+    h.drain()
+    return ticket
+
+
+def load(
+    h: Harness, key: str, need: dict[str, int], *, task: Any = "t", cost: float | None = None
+) -> Ticket:
+    """A lease on ``key``, loaded (``cost`` seconds, as measured)."""
+    ticket = h.core.request(h.owner, key, need, task, cost=cost)
+    h.drain()
+    h.finish(ticket.entry)
+    return ticket
+
+
+def idle(h: Harness, key: str, need: dict[str, int], *, cost: float | None = None) -> Entry:
+    """``key`` loaded and idle."""
+    ticket = load(h, key, need, cost=cost)
+    h.end(ticket)
+    return ticket.entry
+
+
+def releases(h: Harness) -> list[str]:
+    return [str(key) for key, _ in h.released]
+
+
+# ---------------------------------------------------------------------- placement
+
+
+def test_a_placed_request_passes_a_place_where_an_earlier_request_is_unfinished() -> None:
+    """First come, first served per space: ``k``'s new load waits in gpu0 for its old
+    value's release; a placed request that would fit beside it goes to gpu1 at once
+    rather than queue behind it."""
+    h = gpus()
+    old = idle(h, "k", {"gpu0": 30})
+    assert h.core.invalidate(h.owner, "k")
+    h.drain()
+    assert old.state is State.RELEASING
+    again = h.core.request(h.owner, "k", {"gpu0": 30}, "u")
+    h.drain()
+    assert again.entry.state is State.WAITING  # (after the old value's release)
+    ticket = place(h, "p", 30)
+    assert ticket.entry.state is State.LOADING and ticket.entry.charge == {"gpu1": 30}
+    h.ack(old)
+    assert again.entry.state is State.LOADING
+    h.core.check()
+
+
+def test_a_place_that_quarantine_makes_too_small_is_left_out() -> None:
+    h = gpus()
+    stuck = idle(h, "q", {"gpu0": 60})
+    h.core.invalidate(h.owner, "q")
+    h.drain()
+    h.refuse(stuck)  # quarantined: gpu0 can hold 40 at most until it is forgotten
+    idle(h, "b", {"gpu1": 80}, cost=100.0)  # dear to evict, and the only way in
+    ticket = place(h, "p", 60)
+    assert releases(h) == ["q", "b"]
+    h.ack(h.owner.entries["b"])
+    assert ticket.entry.charge == {"gpu1": 60} and ticket.entry.state is State.LOADING
+    h.core.check()
+
+
+def test_a_place_blocked_by_an_earlier_request_comes_after_the_open_ones() -> None:
+    """gpu0 is blocked by an earlier request that nothing can cover yet (a lease
+    holds the room): a placed request evicts in gpu1, though gpu0's eviction
+    would be cheaper, rather than wait behind it."""
+    h = gpus()
+    held = load(h, "held", {"gpu0": 70}, task="holder")
+    idle(h, "cheap", {"gpu0": 30}, cost=1.0)
+    first = h.core.request(h.owner, "first", {"gpu0": 90}, "u")
+    h.drain()
+    assert first.entry.state is State.WAITING and releases(h) == []
+    idle(h, "dear", {"gpu1": 80}, cost=50.0)
+    ticket = place(h, "p", 60, task="v")
+    assert releases(h) == ["dear"]
+    h.ack(h.owner.entries["dear"])
+    assert ticket.entry.charge == {"gpu1": 60} and ticket.entry.state is State.LOADING
+    h.end(held)
+    h.core.check()
+
+
+def test_the_cheapest_place_is_by_the_victims_reload_seconds_summed() -> None:
+    """Two victims of 3 s each cost more than one of 5 s."""
+    h = gpus()
+    idle(h, "a1", {"gpu0": 50}, cost=3.0)
+    idle(h, "a2", {"gpu0": 50}, cost=3.0)
+    idle(h, "b", {"gpu1": 100}, cost=5.0)
+    place(h, "p", 100)
+    assert releases(h) == ["b"]
+
+
+def test_a_request_no_place_can_take_yet_waits_in_its_first_open_place() -> None:
+    h = gpus()
+    a = load(h, "a", {"gpu0": 80}, task="x")
+    b = load(h, "b", {"gpu1": 80}, task="y")
+    ticket = place(h, "p", 60, task="z")
+    assert ticket.entry.state is State.WAITING and ticket.entry.need == {"gpu0": 60}
+    h.end(b)  # b is evicted for it, in gpu1, the place it may now use
+    assert releases(h) == ["b"]
+    h.ack(b.entry)
+    assert ticket.entry.state is State.LOADING and ticket.entry.charge == {"gpu1": 60}
+    h.end(a)
+    h.core.check()
+
+
+def test_room_being_freed_is_taken_before_anything_more_is_evicted() -> None:
+    h = gpus()
+    idle(h, "a", {"gpu0": 100}, cost=1.0)
+    going = idle(h, "b", {"gpu1": 100}, cost=9.0)
+    h.core.invalidate(h.owner, "b")
+    h.drain()
+    assert going.state is State.RELEASING
+    ticket = place(h, "p", 60)  # gpu1 will have room: a, cheaper, is left alone
+    assert releases(h) == ["b"] and ticket.entry.need == {"gpu1": 60}
+    h.ack(going)
+    assert ticket.entry.state is State.LOADING
+    h.core.check()
+
+
+# ------------------------------------------------------------ the grants of one pass
+
+
+def test_one_pass_grants_no_more_than_the_bytes_it_has_not_promised() -> None:
+    """Two waiters of 60 B, and 100 B free at once: the first is granted; the second
+    is not, though it would fit the free bytes if the first's were not counted."""
+    h = Harness({"m": 100})
+    big = load(h, "big", {"m": 100}, task="x")
+    one = h.core.request(h.owner, "one", {"m": 60}, "u")
+    two = h.core.request(h.owner, "two", {"m": 60}, "v")
+    h.drain()
+    h.end(big)
+    h.ack(big.entry)
+    assert one.entry.state is State.LOADING and two.entry.state is State.WAITING
+    assert h.used() == 60
+    h.core.check()
+    h.finish(one.entry)
+    h.end(one)  # one is evicted for two
+    h.ack(one.entry)
+    assert two.entry.state is State.LOADING and h.used() == 60
+    h.core.check()
+
+
+def test_bytes_still_being_released_are_promised_but_not_granted_twice() -> None:
+    """The room of a release in flight counts toward a waiter's promise, not toward
+    a grant: with 40 B still releasing, a pass that grants 50 B does not grant the
+    next 50 B too, though the two fit the promise."""
+    h = Harness({"m": 100})
+    slow = idle(h, "slow", {"m": 40})
+    quick = load(h, "quick", {"m": 60}, task="x")
+    one = h.core.request(h.owner, "one", {"m": 50}, "u")
+    two = h.core.request(h.owner, "two", {"m": 50}, "v")
+    h.drain()
+    h.end(quick)  # both idle entries go for them
+    assert releases(h) == ["slow", "quick"]
+    h.ack(quick.entry)  # 40 B still releasing
+    assert one.entry.state is State.LOADING and two.entry.state is State.WAITING
+    assert h.used() == 90
+    h.core.check()
+    h.ack(slow)
+    assert two.entry.state is State.LOADING and h.used() == 100
+    h.core.check()
+
+
+def test_a_later_request_that_fits_is_not_granted_ahead_in_the_same_space() -> None:
+    """FIFO per space: a small request behind an unfinished earlier one waits,
+    though its bytes are free."""
+    h = Harness({"m": 100})
+    old = idle(h, "k", {"m": 30})
+    h.core.invalidate(h.owner, "k")
+    h.drain()
+    first = h.core.request(h.owner, "k", {"m": 30}, "u")  # after its old value's release
+    late = h.core.request(h.owner, "late", {"m": 10}, "v")
+    h.drain()
+    assert first.entry.state is State.WAITING and late.entry.state is State.WAITING
+    h.ack(old)
+    assert first.entry.state is State.LOADING and late.entry.state is State.LOADING
+    h.core.check()
+
+
+# ------------------------------------------------------------------------ draining
+
+
+def draining(h: Harness) -> set[str]:
+    return {str(e.key) for e in h.core.entries() if e.doomed is not None}
+
+
+def crowded(**options: Any) -> tuple[Harness, dict[str, Ticket]]:
+    """100 B held by three leases of 30 B, requested in the order a, b, c, then a again."""
+    h = Harness({"m": 100}, **options)
+    h.core.fair_requests = 3
+    held = {key: load(h, key, {"m": 30}, task=f"task-{key}") for key in "abc"}
+    again = h.core.request(h.owner, "a", None, "task-a2")  # a: the most recently requested
+    h.drain()
+    held["a2"] = again
+    return h, held
+
+
+def serve_requests(h: Harness, n: int) -> None:
+    """``n`` requests served (hits on an entry of another cache), which let time pass."""
+    other = h.core.open_owner("other")
+    for i in range(n):
+        ticket = h.core.request(other, f"tiny-{i}", {}, "w")
+        h.drain()
+        h.finish(ticket.entry)
+        h.end(ticket)
+
+
+def test_draining_waits_for_its_turn_then_dooms_the_least_recently_requested_first() -> None:
+    h, held = crowded()
+    waiter = h.core.request(h.owner, "w", {"m": 50}, "u")  # 10 B free: short of 40
+    h.drain()
+    assert draining(h) == set()  # not before fair_requests more requests were served
+    serve_requests(h, 3)
+    assert draining(h) == {"b", "c"}  # b then c cover 40; a was requested last
+    for key in ("b", "c"):
+        h.end(held[key])
+        h.ack(held[key].entry)
+    assert waiter.entry.state is State.LOADING
+    h.core.check()
+
+
+def test_draining_spares_pinned_entries_and_those_of_a_higher_priority() -> None:
+    h, held = crowded()
+    h.core.configure(held["b"].entry, pin=True)
+    h.core.limit(held["c"].entry, priority=5)
+    waiter = h.core.request(h.owner, "w", {"m": 40}, "u")  # short of 30
+    h.drain()
+    serve_requests(h, 3)
+    assert draining(h) == {"a"}
+    assert waiter.entry.state is State.WAITING
+    h.core.check()
+
+
+def test_draining_counts_what_is_already_coming() -> None:
+    """An idle entry and one already draining cover part of the shortfall: only
+    what is still missing is drained."""
+    h, _held = crowded()
+    h.core.invalidate(h.owner, "b")  # b gives its key up: released at its last lease's end
+    h.drain()
+    waiter = h.core.request(h.owner, "w", {"m": 60}, "u")  # short of 50: b brings 30
+    h.drain()
+    serve_requests(h, 3)
+    assert draining(h) == {"b", "c"}
+    assert waiter.entry.state is State.WAITING
+    h.core.check()
+
+
+# ------------------------------------------------------------------ merging spaces
+
+
+def test_merging_spaces_with_live_entries_adds_their_books_and_keeps_every_promise() -> None:
+    h = Harness({"gpu": 100, "cuda": 100})
+    leased = load(h, "leased", {"gpu": 40}, task="x")
+    spare = idle(h, "spare", {"cuda": 30})
+    going = idle(h, "going", {"cuda": 20})
+    h.core.invalidate(h.owner, "going")
+    h.drain()
+    waiting = h.core.request(h.owner, "w", {"cuda": 60}, "u")  # promised going's 20
+    h.drain()
+    assert waiting.entry.state is State.WAITING and releases(h) == ["going"]
+    h.core.merge_spaces("gpu", "cuda")
+    h.drain()
+    space = h.core.spaces["gpu"]
+    assert h.core.spaces["cuda"] is space and h.core.canon["cuda"] == "gpu"
+    assert spare.charge == {"gpu": 30} and leased.entry.charge == {"gpu": 40}
+    assert waiting.entry.need == {"gpu": 60}
+    # One memory of 100 B holds 40 + 30 + 20 (releasing): the waiter is 30 short,
+    # and the idle entry covers it.
+    assert space.used == 90 and space.releasing == 50 and releases(h) == ["going", "spare"]
+    h.core.check()
+    h.ack(going)
+    assert waiting.entry.state is State.WAITING
+    h.ack(spare)
+    assert waiting.entry.state is State.LOADING and space.used == 100
+    h.core.check()
+    h.end(leased)
+    h.core.check()
+
+
+def test_a_waiter_of_a_merged_space_waits_in_the_one_memory() -> None:
+    h = Harness({"gpu": 100, "cuda": 100})
+    leased = load(h, "leased", {"gpu": 70}, task="x")
+    h.core.merge_spaces("gpu", "cuda")
+    h.drain()
+    waiter = h.core.request(h.owner, "w", {"cuda": 50}, "u")
+    h.drain()
+    assert waiter.entry.need == {"gpu": 50} and waiter.entry.state is State.WAITING
+    h.end(leased)  # evicted for it
+    assert releases(h) == ["leased"]
+    h.ack(leased.entry)
+    assert waiter.entry.state is State.LOADING
+    assert h.released == [("leased", Reason.CAPACITY)]
+    h.core.check()
