@@ -196,13 +196,19 @@ def replica(
     return FakeReplica(replica_id, set(models), stats if stats is not None else {})
 
 
-def make_router(*replicas: FakeReplica, **kwargs: Any) -> BrokerRouter:
+def make_router(
+    *replicas: FakeReplica, deployment: str = "", cls: type | None = None, **kwargs: Any
+) -> BrokerRouter:
+    """A router of its own deployment (sharing no books), or of ``deployment``'s.
+
+    ``cls``: the router class (default ``BrokerRouter``; a copy shipped by value, say).
+    """
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
     from cachebroker.ray._router import BrokerRouter
 
-    router = BrokerRouter(
-        deployment_id=DeploymentID(name="d", app_name="app"),
+    router: BrokerRouter = (cls or BrokerRouter)(
+        deployment_id=DeploymentID(name=deployment or f"d{next(_ids)}", app_name="app"),
         handle_source=DeploymentHandleSource.UNKNOWN,
     )
     router.initialize_state(**kwargs)
@@ -381,10 +387,10 @@ async def test_the_router_remembers_a_bounded_number_of_model_sizes(
         held = {f"m{batch}-{i}": {"gpu": 1 + i} for i in range(10)}
         a.routing_stats = {"cachebroker": {"free": {"gpu": 50}, "budget": {}, "sizes": held}}
         await router.choose_replicas(running([a]), request("x"))
-    assert len(router._sizes) == 50
-    assert router._size_totals == {"gpu": sum(s["gpu"] for s in router._sizes.values())}
-    assert router._size_counts == {"gpu": 50}
-    assert "m39-9" in router._sizes and "m0-0" not in router._sizes
+    assert len(router._books.sizes) == 50
+    assert router._books.size_totals == {"gpu": sum(s["gpu"] for s in router._books.sizes.values())}
+    assert router._books.size_counts == {"gpu": 50}
+    assert "m39-9" in router._books.sizes and "m0-0" not in router._books.sizes
 
 
 @ASYNCIO
@@ -398,7 +404,7 @@ async def test_a_dead_replica_is_forgotten_as_a_holder_and_a_candidate(clock: Fa
     assert list(router.curr_replicas) == [b.replica_id]
     ranks = names(await router.choose_replicas(running([b]), request("m")))
     assert ranks == [["b"]]  # not a holder's wait: a new load, booked on b
-    assert router._ledger.holders("m", clock.now) == [b.replica_id]
+    assert router._books.ledger.holders("m", clock.now) == [b.replica_id]
 
 
 @ASYNCIO
@@ -414,7 +420,7 @@ async def test_requests_without_a_model_id_go_to_two_random_replicas_and_book_no
             assert len(ranks) == 1 and len(set(ranks[0])) == 2
     anonymous = request("")
     router.on_request_routed(anonymous, replicas[0].replica_id, None)
-    assert all(router._ledger.count(r.replica_id) == 0 for r in replicas)
+    assert all(router._books.ledger.count(r.replica_id) == 0 for r in replicas)
 
 
 @ASYNCIO
@@ -432,3 +438,95 @@ async def test_unknown_router_arguments_are_refused_by_name(clock: FakeClock) ->
         make_router(holder_wait=1, max_lora=2)
     for wait in [0, 2, 0.25, math.inf]:
         assert make_router(holder_wait_s=wait)._holder_wait == wait
+
+
+# ---------------------------------------------------------------- several routers, one deployment
+#
+# Serve builds a router per handle: each handle passed by value (to a task,
+# to another deployment) routes on its own. A burst sent through several of
+# them must load each model once, as through one.
+
+
+async def burst(
+    routers: Sequence[BrokerRouter], replicas: Sequence[FakeReplica], models: Sequence[str]
+) -> list[tuple[str, str]]:
+    """Two first requests per model, each through the next router: (model id, replica) each."""
+    went = []
+    pending = [request(m) for m in models] * 2
+    for i, one in enumerate(pending):
+        ranks = await route(routers[i % len(routers)], replicas, one)
+        went.append((one.metadata.multiplexed_model_id, ranks[0][0]))
+    return went
+
+
+@ASYNCIO
+@pytest.mark.anyio
+async def test_the_routers_of_one_deployment_share_their_bookings_and_spread_a_burst_by_bytes(
+    clock: FakeClock,
+) -> None:
+    # a held k (30 bytes), so every router counts a model never seen as 30.
+    a = replica("a", ["k"], free={"gpu": 100}, sizes={"k": {"gpu": 30}})
+    b = replica("b", free={"gpu": 90})
+    routers = [make_router(a, b, deployment="burst") for _ in range(8)]
+    went = await burst(routers, [a, b], ["n1", "n2", "n3", "n4"])
+    # As through one router: 100 vs 90, 70 vs 90, 70 vs 60, 40 vs 60; then to the holders.
+    assert [replica for _, replica in went] == ["a", "b", "a", "b"] * 2
+    ledger = routers[0]._books.ledger
+    for model_id in ["n1", "n2", "n3", "n4"]:
+        assert len(ledger.holders(model_id, clock.now)) == 1, model_id
+    # Another deployment's routers share nothing with these.
+    assert make_router(a, b)._books is not routers[0]._books
+
+
+@ASYNCIO
+@pytest.mark.anyio
+async def test_a_first_burst_through_several_routers_loads_each_model_once(
+    clock: FakeClock,
+) -> None:
+    # Replicas that have reported nothing yet: ties, broken at random.
+    for n in range(20):
+        replicas = [replica("a"), replica("b")]
+        routers = [make_router(*replicas, deployment=f"fresh{n}") for _ in range(8)]
+        went = await burst(routers, replicas, ["m1", "m2", "m3", "m4"])
+        where = {model_id: {r for m, r in went if m == model_id} for model_id, _ in went}
+        assert all(len(places) == 1 for places in where.values()), where  # loaded once each
+        per_replica = [r for places in where.values() for r in places]
+        assert sorted(per_replica) == ["a", "a", "b", "b"], where  # two models each
+
+
+@ASYNCIO
+@pytest.mark.anyio
+async def test_router_classes_shipped_by_value_share_their_deployments_books(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Serve has cloudpickle pickle the module the router class says it is
+    # from (cachebroker.ray), and every module below it, by value: each
+    # process that unpickles it has copies of their globals.
+    import importlib
+    import weakref
+
+    from ray import cloudpickle
+
+    from cachebroker.ray import BrokerRouter, _router
+
+    module = importlib.import_module(BrokerRouter.__module__)  # (as Serve finds it)
+    assert module.__name__ == "cachebroker.ray"
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        shipped = cloudpickle.dumps(BrokerRouter)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+    # Unpickled as in a process that did not pickle it (cloudpickle would
+    # otherwise hand back the class it pickled).
+    tracked: Any = weakref.WeakValueDictionary()
+    monkeypatch.setattr(cloudpickle.cloudpickle, "_DYNAMIC_CLASS_TRACKER_BY_ID", tracked)
+    copy = cloudpickle.loads(shipped)
+    assert copy is not BrokerRouter
+    assert copy.choose_replicas.__globals__ is not vars(_router)
+    monkeypatch.setitem(copy.choose_replicas.__globals__, "time", clock)
+    a = replica("a", free={"gpu": 100})
+    b = replica("b", free={"gpu": 100})
+    first = make_router(a, b, deployment="shipped", cls=copy)
+    second = make_router(a, b, deployment="shipped")
+    went = (await route(first, [a, b], request("m")))[0][0]
+    assert names(await second.choose_replicas(running([a, b]), request("m"))) == [[went]]

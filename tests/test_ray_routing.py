@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
-from cachebroker.ray._routing import Candidate, Ledger, rank
+from cachebroker.ray._routing import Candidate, Ledger, books_for, rank
 
 
 def candidates(**free: dict[str, int]) -> list[Candidate[str]]:
@@ -113,3 +114,25 @@ def test_a_model_sent_elsewhere_moves_in_the_ledger() -> None:
     assert ledger.free("r1", {"gpu": 50}, None) == {"gpu": 50}
     ledger.forget("r2")
     assert ledger.holders("m", now=0.0) == []
+
+
+def test_the_routers_of_a_deployment_share_its_books_while_one_holds_them() -> None:
+    books = books_for(("app", "d"), expire=10.0, sizes_kept=5)
+    assert books_for(("app", "d"), expire=1.0, sizes_kept=1) is books  # the first one's
+    assert books.ledger.expire == 10.0 and books.sizes_kept == 5
+    assert books_for(("app", "other"), expire=10.0, sizes_kept=5) is not books
+    books.book("r", "m", now=0.0, routed=True)
+    del books
+    gc.collect()
+    again = books_for(("app", "d"), expire=10.0, sizes_kept=5)  # no router held them: new
+    assert again.ledger.holders("m", now=0.0) == []
+
+
+def test_a_model_never_seen_is_booked_at_the_mean_of_the_sizes_known() -> None:
+    books = books_for(("app", "mean"), expire=10.0, sizes_kept=2)
+    books.remember("a", {"gpu": 10})
+    books.remember("b", {"gpu": 30, "ram": 4})
+    books.remember("c", {"gpu": 50})  # a is forgotten: b and c remain
+    assert books.sizes == {"b": {"gpu": 30, "ram": 4}, "c": {"gpu": 50}}
+    books.book("r", "new", now=0.0, routed=False)
+    assert books.ledger.free("r", {"gpu": 100, "ram": 10}, None) == {"gpu": 60, "ram": 6}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import random
 import signal
 import socket
@@ -167,6 +168,40 @@ def test_broker_router_sends_a_new_model_where_it_fits_without_eviction(cluster:
         assert result["pid"] == pid, (model_id, result)
         assert result["loads"] == dict.fromkeys(result["held"], 1), "a model was loaded twice"
     serve.delete("router")
+
+
+def test_a_first_burst_through_several_handles_loads_each_model_once(cluster: int) -> None:
+    from cachebroker.ray import BrokerRouter
+
+    config: Any = importlib.import_module("ray.serve.config")
+    handle = deploy(
+        "burst",
+        ray_app.brokered(SIZES, BUDGET, load_seconds=0.2),
+        request_router_config=config.RequestRouterConfig(request_router_class=BrokerRouter),
+    )
+    # A handle passed by value (to a task, to another deployment) routes on a
+    # router of its own: four of them here, in this process.
+    handles = [pickle.loads(pickle.dumps(handle)) for _ in range(4)]
+    for each in handles:
+        each.options()  # (builds its router, which asks Serve's controller for the replicas)
+    deadline = time.monotonic() + 30
+    while not all(each.running_replicas_populated() for each in handles):
+        assert time.monotonic() < deadline, "the routers did not learn the replicas"
+        time.sleep(0.05)
+    models = ["m1", "m2", "m3", "m4"]  # 10 kB: they fit in the two replicas, once each
+    responses = [
+        each.options(multiplexed_model_id=model_id).remote(0.05)
+        for i, each in enumerate(handles)
+        for model_id in (models if i % 2 else models[::-1])
+    ]
+    results = [response.result(timeout_s=60) for response in responses]
+    loads: dict[tuple[int, str], int] = {}
+    for result in results:
+        for model_id, n in result["loads"].items():
+            loads[result["pid"], model_id] = max(n, loads.get((result["pid"], model_id), 0))
+    assert sum(loads.values()) == len(models), loads
+    assert not any(r["saw_released"] for r in results)
+    serve.delete("burst")
 
 
 def test_co_located_replicas_share_the_machines_budget_through_cachebroker_serve(

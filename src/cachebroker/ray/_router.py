@@ -20,7 +20,7 @@ from ray.serve.request_router import (
 )
 
 from ._replica import ROUTING_KEY
-from ._routing import Candidate, Ledger, rank
+from ._routing import Candidate, books_for, rank
 
 __all__ = ["BrokerRouter"]
 
@@ -48,12 +48,18 @@ class BrokerRouter(RequestRouter):
     spare, then the others by free bytes. Requests without a model id go to
     the shorter queue of two random replicas, as Serve's default router does.
 
-    Between two polls the router keeps its own account (``_routing.Ledger``):
-    a model sent to a replica keeps going there, and its size counts as
-    taken from that replica's free bytes, until the replica's own stats show
-    it. So a burst of requests for models no replica holds yet spreads by
-    bytes, and loads each model once. A request whose model's holders are all
-    busy waits for them up to ``holder_wait_s`` (1 s, counted from its first
+    Between two polls the routers keep an account (``_routing.Ledger``): a
+    model sent to a replica keeps going there, and its size counts as taken
+    from that replica's free bytes, until the replica's own stats show it. So
+    a burst of requests for models no replica holds yet spreads by bytes,
+    and loads each model once. Serve builds a router per handle (a handle
+    passed by value, to a task or another deployment, gets its own): the
+    account is the deployment's, shared with the sizes and budgets learnt by
+    all its routers in the process (``_routing.books_for``). Routers in other
+    processes learn of a load from the replica's model ids, which it reports
+    to Serve's controller (at most 0.1 s after the request arrives) and the
+    controller passes on. A request whose model's holders are all busy
+    waits for them up to ``holder_wait_s`` (1 s, counted from its first
     routing attempt) before it may go to another replica and load the model
     there. A model the router has never seen held counts, in its account, as
     the mean size of the models it knows.
@@ -81,11 +87,7 @@ class BrokerRouter(RequestRouter):
         ):
             raise ValueError(f"holder_wait_s must be seconds >= 0, got {holder_wait_s!r}")
         self._holder_wait = float(holder_wait_s)
-        self._ledger = Ledger(expire=SENT_FOR)
-        self._sizes: dict[str, dict[str, int]] = {}  # oldest report first
-        self._size_totals: dict[str, int] = {}  # over self._sizes, per space
-        self._size_counts: dict[str, int] = {}
-        self._budget: dict[str, int] = {}
+        self._books = books_for(self._deployment_id, expire=SENT_FOR, sizes_kept=SIZES_KEPT)
 
     async def choose_replicas(
         self,
@@ -105,13 +107,21 @@ class BrokerRouter(RequestRouter):
         started = context.multiplexed_start_matching_time
         if started is None:  # its first routing attempt: the wait for holders starts
             started = context.multiplexed_start_matching_time = time.time()
+        with self._books.lock:  # (the deployment's other routers may run on other threads)
+            return self._rank(model_id, candidate_replicas, started)
+
+    def _rank(
+        self, model_id: str, candidate_replicas: list[RunningReplica], started: float
+    ) -> list[list[RunningReplica]]:
+        """``choose_replicas`` for a request of ``model_id``, under the books' lock."""
+        books = self._books
         now = time.monotonic()
         candidates = [self._candidate(replica, now) for replica in candidate_replicas]
-        holders = self._ledger.holders(model_id, now)
+        holders = books.ledger.holders(model_id, now)
         ranks = rank(
             model_id,
             candidates,
-            size=self._sizes.get(model_id),
+            size=books.sizes.get(model_id),
             holders=[r for r in candidate_replicas if r.replica_id in holders],
         )
         held = bool(ranks) and any(
@@ -124,46 +134,23 @@ class BrokerRouter(RequestRouter):
         if ranks and not any(model_id in r.multiplexed_model_ids for r in ranks[0]):
             # A load: book it where it goes first, so that the next request
             # (routed before this one lands) sees it there.
-            self._book(ranks[0][0].replica_id, model_id, now, routed=False)
+            books.book(ranks[0][0].replica_id, model_id, now, routed=False)
         return ranks
 
     def _candidate(self, replica: RunningReplica, now: float) -> Candidate[RunningReplica]:
+        books = self._books
         free, budget, sizes = _read_stats(replica.routing_stats)
         for model_id, size in sizes.items():
-            self._remember(model_id, size)
-        for space, n in budget.items():
-            self._budget[space] = max(n, self._budget.get(space, 0))
+            books.remember(model_id, size)
+        books.see_budget(budget)
         replica_id = replica.replica_id
-        self._ledger.settle(replica_id, replica.multiplexed_model_ids, sizes, now)
+        books.ledger.settle(replica_id, replica.multiplexed_model_ids, sizes, now)
         return Candidate(
             replica,
             replica.multiplexed_model_ids,
-            self._ledger.free(replica_id, free, self._budget),
-            self._ledger.count(replica_id),
+            books.ledger.free(replica_id, free, books.budget),
+            books.ledger.count(replica_id),
         )
-
-    def _remember(self, model_id: str, size: dict[str, int]) -> None:
-        """Keep ``size`` as ``model_id``'s, the most recent of ``SIZES_KEPT``."""
-        self._count_size(self._sizes.pop(model_id, None), -1)
-        self._sizes[model_id] = size
-        self._count_size(size, 1)
-        if len(self._sizes) > SIZES_KEPT:
-            self._count_size(self._sizes.pop(next(iter(self._sizes))), -1)
-
-    def _count_size(self, size: Mapping[str, int] | None, sign: int) -> None:
-        for space, n in (size or {}).items():
-            self._size_totals[space] = self._size_totals.get(space, 0) + sign * n
-            self._size_counts[space] = self._size_counts.get(space, 0) + sign
-
-    def _book(self, replica_id: ReplicaID, model_id: str, now: float, *, routed: bool) -> None:
-        size = self._sizes.get(model_id)
-        if size is None:  # never seen held: the mean of the sizes known, in their spaces
-            size = {
-                space: total // count
-                for space, total in self._size_totals.items()
-                if (count := self._size_counts[space])
-            }
-        self._ledger.sent(replica_id, model_id, size, now, routed=routed)
 
     def on_request_routed(
         self,
@@ -174,11 +161,13 @@ class BrokerRouter(RequestRouter):
         model_id = pending_request.metadata.multiplexed_model_id
         replica = self.curr_replicas.get(replica_id)
         if model_id and (replica is None or model_id not in replica.multiplexed_model_ids):
-            self._book(replica_id, model_id, time.monotonic(), routed=True)  # where it went
+            with self._books.lock:  # where it went
+                self._books.book(replica_id, model_id, time.monotonic(), routed=True)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._ledger.forget(replica_id)
+        with self._books.lock:
+            self._books.ledger.forget(replica_id)
 
 
 def _read_stats(

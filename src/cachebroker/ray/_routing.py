@@ -10,19 +10,26 @@ to evict first (for a model of unknown size: most free bytes first). Ties
 keep a random order, so that equal replicas share the load.
 
 The free bytes are the router's estimate: what the replica last reported,
-less what the router has sent it since (``Ledger``).
+less what the routers have sent it since (``Ledger``). Every router of one
+deployment in a process shares one ``Books`` (``books_for``): Serve builds a
+router per handle (each handle passed by value, to a task or another
+deployment, gets its own), and routers that each book only what they sent
+would load a burst's models on several replicas.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import threading
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 import attrs
 
-__all__ = ["Candidate", "Ledger", "rank"]
+from .._shared import shared
+
+__all__ = ["Books", "Candidate", "Ledger", "books_for", "rank"]
 
 R = TypeVar("R")
 
@@ -181,3 +188,67 @@ class Ledger:
 
     def forget(self, replica: Hashable) -> None:
         self._sent.pop(replica, None)
+
+
+class Books:
+    """What the routers of one deployment know: the ledger, model sizes, the largest budgets.
+
+    Shared by every ``BrokerRouter`` of the deployment in the process
+    (``books_for``), so that a model one router sent to a replica counts as
+    held there for the others too. Routers may run on different event loops
+    (Serve's router thread, a replica's own loop): each reads and books under
+    ``lock``. ``sizes_kept``: how many model sizes it remembers (the most
+    recently reported).
+    """
+
+    def __init__(self, *, expire: float, sizes_kept: int) -> None:
+        self.lock = threading.Lock()
+        self.ledger = Ledger(expire=expire)
+        self.sizes_kept = sizes_kept
+        self.sizes: dict[str, dict[str, int]] = {}  # oldest report first
+        self.size_totals: dict[str, int] = {}  # over self.sizes, per space
+        self.size_counts: dict[str, int] = {}
+        self.budget: dict[str, int] = {}
+
+    def remember(self, model_id: str, size: dict[str, int]) -> None:
+        """Keep ``size`` as ``model_id``'s, the most recent of ``sizes_kept``."""
+        self._count_size(self.sizes.pop(model_id, None), -1)
+        self.sizes[model_id] = size
+        self._count_size(size, 1)
+        if len(self.sizes) > self.sizes_kept:
+            self._count_size(self.sizes.pop(next(iter(self.sizes))), -1)
+
+    def _count_size(self, size: Mapping[str, int] | None, sign: int) -> None:
+        for space, n in (size or {}).items():
+            self.size_totals[space] = self.size_totals.get(space, 0) + sign * n
+            self.size_counts[space] = self.size_counts.get(space, 0) + sign
+
+    def see_budget(self, budget: Mapping[str, int]) -> None:
+        """A replica reported ``budget``: a replica without stats counts as the largest."""
+        for space, n in budget.items():
+            self.budget[space] = max(n, self.budget.get(space, 0))
+
+    def book(self, replica: Hashable, model_id: str, now: float, *, routed: bool) -> None:
+        """``model_id`` goes to ``replica``: its known size, else the mean of those known."""
+        size = self.sizes.get(model_id)
+        if size is None:  # never seen held: the mean of the sizes known, in their spaces
+            size = {
+                space: total // count
+                for space, total in self.size_totals.items()
+                if (count := self.size_counts[space])
+            }
+        self.ledger.sent(replica, model_id, size, now, routed=routed)
+
+
+def books_for(deployment: Hashable, *, expire: float, sizes_kept: int) -> Books:
+    """The ``Books`` every router of ``deployment`` in this process shares (made by the first).
+
+    Kept by ``cachebroker._shared``, not here: Serve ships the router, and
+    this module with it, by value, so that each unpickled copy has globals
+    of its own. The books live while a router holds them, as Serve's own
+    shared long-poll client keeps a deployment's routers (weakly).
+    """
+    return shared(
+        ("cachebroker.ray.BrokerRouter", deployment),
+        lambda: Books(expire=expire, sizes_kept=sizes_kept),
+    )
