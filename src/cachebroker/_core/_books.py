@@ -1776,12 +1776,13 @@ class Core:
 
     def note_alias_evidence(
         self, freed: Iterable[str], loaded: Iterable[str], threshold: int
-    ) -> list[tuple[str, str]]:
+    ) -> _aliases.Learned:
         """A load in ``loaded`` spaces fit only after freeing in ``freed`` spaces (``_aliases``)."""
         return _aliases.note_alias_evidence(self, freed, loaded, threshold)
 
     def merge_spaces(self, keep: str, other: str) -> None:
-        """Treat spaces ``keep`` and ``other`` as one memory from now on (``_aliases``)."""
+        """Treat spaces ``keep`` and ``other`` as one memory from now on (``_aliases``);
+        ``InvalidArgument`` if that would make the tiers a circle."""
         _aliases.merge_spaces(self, keep, other)
 
     def aliases(self) -> list[tuple[str, ...]]:

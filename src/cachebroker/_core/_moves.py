@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "cancel_demotion",
+    "circle",
     "evict_one",
     "freed",
     "give_up",
@@ -49,6 +50,25 @@ __all__ = [
     "reserved",
     "start_promotion",
 ]
+
+
+def circle(tiers: Mapping[str, str]) -> tuple[str, ...] | None:
+    """A circle that ``tiers`` go round in (``("a", "b", "a")``), or ``None``: a chain.
+
+    A tier map must be a chain: a value evicted down a circle would come back
+    to where it was, and an eviction that makes room below would recurse for
+    ever. ``Broker(tiers=...)`` refuses one given directly, and a merge of two
+    spaces (``_aliases``) refuses to make one.
+    """
+    for start in tiers:
+        seen = [start]
+        below = tiers.get(start)
+        while below is not None:
+            if below in seen:
+                return (*seen[seen.index(below) :], below)
+            seen.append(below)
+            below = tiers.get(below)
+    return None
 
 
 def reserved(entry: Entry) -> dict[str, int]:

@@ -91,7 +91,8 @@ class Broker:
         oom_retries: How many times one load may be retried after freeing.
         aliases: Groups of space names known to be one memory, e.g. from a
             previous broker's ``stats().aliases``. They share one capacity
-            (the larger budget) and evict from each other.
+            (the larger budget) and evict from each other. A group that would
+            make ``tiers`` go round in a circle raises ``InvalidArgument``.
         alias_threshold: How many times a load in one space must have fit only
             after freeing in another before the broker merges the two.
         memory_wait: After a release on a probed space, how long to wait for

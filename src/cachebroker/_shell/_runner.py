@@ -730,12 +730,22 @@ class Runner:
         """The load fit only after freeing in ``freed``: evidence of one memory."""
         if not freed:
             return
-        merged = self.core.note_alias_evidence(freed, entry.charge, self._alias_threshold)
-        for keep, other in merged:
+        learned = self.core.note_alias_evidence(freed, entry.charge, self._alias_threshold)
+        for keep, other in learned.merged:
             self.emit(
                 "warning",
                 ev.ALIAS_LEARNED,
                 spaces=[keep, other],
+                evidence=self._alias_threshold,
+                cache=entry.owner.name,
+                key=entry.key,
+            )
+        for refused in learned.refused:
+            self.emit(
+                "warning",
+                ev.ALIAS_REFUSED,
+                spaces=sorted(refused.spaces),
+                circle=list(refused.circle),
                 evidence=self._alias_threshold,
                 cache=entry.owner.name,
                 key=entry.key,
