@@ -1,11 +1,13 @@
-"""Where tiers and aliases meet: circles made by an alias.
+"""Where tiers and aliases meet: circles made by an alias, and the names moves are asked by.
 
 An alias of two spaces that lie on one chain of tiers (``g0 -> ram -> disk``
 with ``g0`` and ``disk`` one memory) would make the tiers a circle, which the
 broker refuses when given directly: it is refused however it arises, given at
 construction (an error naming the circle) or learned at run time (not merged,
-logged as ``cachebroker.alias.refused``). The books first, then the shell on
-every backend.
+logged as ``cachebroker.alias.refused``). And an owner is asked to move a value
+by the space names it gave (its acquire's, or the tiers' below them), whatever
+name a merge keeps for the space inside the books: the books first, then the
+shell on every backend.
 """
 
 from __future__ import annotations
@@ -85,6 +87,53 @@ def test_evidence_for_an_alias_off_the_tier_chain_is_still_merged() -> None:
     assert h.core.tiers == {"g0": "ram"}
 
 
+# -- the names moves are asked by: the books ------------------------------------
+
+
+def one_gpu() -> Harness:
+    """Two names of one GPU over RAM, merged as ``Broker(aliases=...)`` merges them."""
+    h = Harness(
+        {"llama": 100, "whisper": 100, "ram": 200},
+        tiers={"llama": "ram", "whisper": "ram"},
+        moves=True,
+    )
+    h.core.merge_spaces("llama", "whisper")  # the books keep "llama"
+    return h
+
+
+def test_a_value_goes_down_and_back_up_by_the_names_its_request_gave() -> None:
+    h = one_gpu()
+    load(h, "w", {"whisper": 60})
+    load(h, "l", {"llama": 60})  # w goes down
+    load(h, "w", {"whisper": 60})  # l goes down, w comes back up
+    load(h, "l", {"llama": 60})  # w goes down, l comes back up
+    assert h.moved == [("w", "ram"), ("l", "ram"), ("w", "whisper"), ("w", "ram"), ("l", "llama")]
+    h.core.check()
+
+
+def test_a_value_goes_down_to_the_name_its_tier_gives_when_the_tier_is_merged() -> None:
+    h = Harness({"gpu": 100, "cpu": 100, "ram": 200}, tiers={"gpu": "ram"}, moves=True)
+    h.core.merge_spaces("cpu", "ram")  # the books keep "cpu"
+    load(h, "a", {"gpu": 60})
+    load(h, "b", {"gpu": 60})
+    assert h.moved == [("a", "ram")] and h.owner.entries["a"].charge == {"cpu": 60}
+    load(h, "a", {"gpu": 60})
+    assert h.moved == [("a", "ram"), ("b", "ram"), ("a", "gpu")]
+
+
+def test_a_value_merged_after_its_load_comes_back_by_its_own_name() -> None:
+    h = Harness(
+        {"llama": 100, "whisper": 100, "ram": 200},
+        tiers={"llama": "ram", "whisper": "ram"},
+        moves=True,
+    )
+    load(h, "w", {"whisper": 60})
+    h.core.merge_spaces("llama", "whisper")
+    load(h, "l", {"llama": 60})  # w goes down
+    load(h, "w", {"whisper": 60})  # l goes down, w comes back up
+    assert h.moved == [("w", "ram"), ("l", "ram"), ("w", "whisper")]
+
+
 # -- the shell -------------------------------------------------------------------
 
 
@@ -157,3 +206,81 @@ async def test_a_learned_alias_that_would_close_a_tier_circle_is_refused_and_log
         stats = await broker.stats()
         assert stats.moves_failed == 0 and stats.quarantined_keys == ()
     assert device.used == 0  # closing released everything
+
+
+class Named:
+    """A plugin on one device, which it knows by one name: it refuses to move elsewhere."""
+
+    def __init__(self, space: str) -> None:
+        self.space = space
+        self.moves: list[tuple[Hashable, str]] = []
+
+    async def release(self, key: Hashable, value: Any) -> None:
+        pass
+
+    async def move(self, key: Hashable, value: Any, to: str) -> Any:
+        await anyio.lowlevel.checkpoint()
+        if to not in (self.space, "ram"):
+            raise RuntimeError(f"{key!r}: this plugin runs on {self.space!r}, not {to!r}")
+        self.moves.append((key, to))
+        return f"{key}@{to}"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "learned",
+    [(("llama:cuda:0", "whisper:cuda:0"),), (("whisper:cuda:0", "llama:cuda:0"),)],
+    ids=["llama-kept", "whisper-kept"],
+)
+async def test_each_owner_of_one_gpu_is_asked_to_move_by_its_own_names(
+    learned: tuple[tuple[str, str]],
+) -> None:
+    """docs/memory.md's aliasing example with a RAM tier: whichever name the merge keeps,
+    each model goes down to "ram" and back up to the GPU by its plugin's name for it."""
+    broker = Broker(
+        budget={"whisper:cuda:0": "24GiB", "llama:cuda:0": "24GiB", "ram": "64GiB"},
+        aliases=learned,
+        tiers={"whisper:cuda:0": "ram", "llama:cuda:0": "ram"},
+    )
+    whisper, llama = Named("whisper:cuda:0"), Named("llama:cuda:0")
+    async with (
+        broker,
+        broker.cache("whisper", whisper) as on_whisper,
+        broker.cache("llama", llama) as on_llama,
+    ):
+
+        async def use(cache: Any, key: str, space: str) -> str:
+            load = loader_of(f"{key}@{space}")
+            # (A cold load costs 30 s: a move back up is always worth it.)
+            size = {space: 16 * GIB}
+            async with cache.acquire(key, load=load, size=size, cost=30.0) as lease:
+                return str(lease.value)
+
+        assert await use(on_whisper, "w", "whisper:cuda:0") == "w@whisper:cuda:0"
+        assert await use(on_llama, "l", "llama:cuda:0") == "l@llama:cuda:0"  # w goes down
+        assert await use(on_whisper, "w", "whisper:cuda:0") == "w@whisper:cuda:0"  # back up
+        assert await use(on_llama, "l", "llama:cuda:0") == "l@llama:cuda:0"  # back up
+        stats = await broker.stats()
+        assert stats.moves_failed == 0 and stats.quarantined_keys == ()
+        assert (stats.loads, stats.promotions) == (2, 2)
+    assert whisper.moves == [("w", "ram"), ("w", "whisper:cuda:0"), ("w", "ram")]
+    assert llama.moves == [("l", "ram"), ("l", "llama:cuda:0")]
+
+
+def loader_of(value: str) -> Any:
+    async def load() -> str:
+        await anyio.lowlevel.checkpoint()
+        return value
+
+    return load
+
+
+def test_a_value_measured_into_its_space_comes_back_by_the_measured_name() -> None:
+    h = one_gpu()
+    ticket = h.core.request(h.owner, "w", None, "w")  # (a size unknown until measured)
+    h.drain()
+    h.finish(ticket.entry, measured={"whisper": 60})
+    h.end(ticket)
+    load(h, "l", {"llama": 60})  # w goes down
+    load(h, "w", {"whisper": 60})  # w comes back up
+    assert h.moved == [("w", "ram"), ("l", "ram"), ("w", "whisper")]

@@ -45,6 +45,7 @@ __all__ = [
     "freed",
     "give_up",
     "grant_demotions",
+    "owner_space",
     "parked_cost",
     "queue_promotion",
     "reserved",
@@ -90,6 +91,32 @@ def destination(entry: Entry) -> str:
     if not gains:  # (a move within one space: measured sizes made them equal)
         return next(iter(entry.target or entry.charge))
     return max(gains, key=gains.__getitem__)
+
+
+def owner_space(books: Core, entry: Entry, space: str) -> str:
+    """``space`` (a books' name) by the name ``entry``'s owner knows it by.
+
+    A merge keeps one name for two spaces in the books, but each owner named
+    its space itself: a value goes back up to the name its request gave
+    (``Entry.asked``), and down to the name the tiers as given put below
+    that. The books' name is left for a space the owner never named.
+    """
+    canon = books.canon
+    if not canon:  # (nothing merged: every name is the one given)
+        return space
+    for name in entry.asked:
+        if canon.get(name, name) == space:
+            return name
+    given = books.tier_names
+    for name in entry.asked:
+        below = given.get(name)
+        for _ in given:  # (a chain: it ends within this many steps)
+            if below is None:
+                break
+            if canon.get(below, below) == space:
+                return below
+            below = given.get(below)
+    return space
 
 
 class _Parked:
@@ -232,7 +259,7 @@ def grant_demotions(books: Core) -> None:
             del books._demoting[entry]
             for name, amount in taking.items():
                 spaces[name].used += amount
-            books.effects.append(StartMove(entry, destination(entry)))
+            books.effects.append(StartMove(entry, owner_space(books, entry, destination(entry))))
             continue
         coming = all(
             amount
@@ -291,4 +318,4 @@ def start_promotion(books: Core, entry: Entry) -> None:
         books.spaces[name].used += amount
     for name, amount in freed(entry).items():
         books.spaces[name].releasing += amount
-    books.effects.append(StartMove(entry, destination(entry)))
+    books.effects.append(StartMove(entry, owner_space(books, entry, destination(entry))))

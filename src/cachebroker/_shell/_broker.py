@@ -119,7 +119,8 @@ class Broker:
             instead of released, when its cache's releaser offers
             ``move(key, value, to)`` and the lower tier's policy ranks it
             above what it would displace there; an acquire moves it back.
-            See docs/memory.md ("Tiers").
+            ``move`` is told each space by the name the acquire (or ``tiers``)
+            gave it, whatever ``aliases`` merge. See docs/memory.md ("Tiers").
 
     .. versionadded:: 0.1.0
     """
