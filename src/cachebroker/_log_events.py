@@ -29,6 +29,7 @@ RELEASE_FREED: Final = "cachebroker.release.freed"
 RELEASE_FAILED: Final = "cachebroker.release.failed"
 QUARANTINE_FORGOTTEN: Final = "cachebroker.quarantine.forgotten"
 ALIAS_LEARNED: Final = "cachebroker.alias.learned"
+ALIAS_REFUSED: Final = "cachebroker.alias.refused"
 MEMORY_SLOW: Final = "cachebroker.release.memory_slow"
 RELEASE_BLOCKING: Final = "cachebroker.release.blocking"
 LEASE_HELD: Final = "cachebroker.lease.held"
@@ -67,6 +68,7 @@ ALL: Final = (
     RELEASE_FAILED,
     QUARANTINE_FORGOTTEN,
     ALIAS_LEARNED,
+    ALIAS_REFUSED,
     MEMORY_SLOW,
     RELEASE_BLOCKING,
     LEASE_HELD,

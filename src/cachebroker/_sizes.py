@@ -12,6 +12,7 @@ import numbers
 from collections.abc import Mapping
 from fractions import Fraction
 
+from ._core._moves import circle
 from ._errors import InvalidArgument
 from ._units import DEFAULT_SPACE, QUANTITY, UNITS
 
@@ -196,13 +197,7 @@ def tier_map(tiers: object, budget: Mapping[str, int]) -> dict[str, str]:
         if upper == lower:
             raise InvalidArgument(f"tiers puts space {upper!r} below itself")
         result[upper] = lower
-    for start in result:
-        seen = [start]
-        below = result.get(start)
-        while below is not None:
-            if below in seen:
-                cycle = " -> ".join([*seen[seen.index(below) :], below])
-                raise InvalidArgument(f"tiers go round in a circle: {cycle}")
-            seen.append(below)
-            below = result.get(below)
+    found = circle(result)
+    if found is not None:
+        raise InvalidArgument(f"tiers go round in a circle: {' -> '.join(found)}")
     return result

@@ -13,16 +13,39 @@ the steps and view that call them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from .._errors import InvalidArgument
 from ._model import Entry, State
-from ._moves import freed, reserved
+from ._moves import circle, freed, reserved
 from ._scheduler import schedule
 
 if TYPE_CHECKING:
     from ._books import Core
 
-__all__ = ["aliases", "canonical", "merge_spaces", "note_alias_evidence"]
+__all__ = [
+    "Learned",
+    "Refused",
+    "aliases",
+    "canonical",
+    "merge_spaces",
+    "merged_circle",
+    "note_alias_evidence",
+]
+
+
+class Refused(NamedTuple):
+    """Two spaces not merged: as one memory, the tiers would go round ``circle``."""
+
+    spaces: tuple[str, str]
+    circle: tuple[str, ...]
+
+
+class Learned(NamedTuple):
+    """What evidence of aliasing did: the pairs merged (kept, merged into it) and refused."""
+
+    merged: list[tuple[str, str]]
+    refused: list[Refused]
 
 
 def canonical(canon: Mapping[str, str], charge: dict[str, int]) -> dict[str, int]:
@@ -36,27 +59,51 @@ def canonical(canon: Mapping[str, str], charge: dict[str, int]) -> dict[str, int
 
 def note_alias_evidence(
     books: Core, freed: Iterable[str], loaded: Iterable[str], threshold: int
-) -> list[tuple[str, str]]:
+) -> Learned:
     """A load in ``loaded`` spaces fit only after freeing in ``freed`` spaces.
 
     Each such observation is evidence that the two are one memory; at
-    ``threshold`` observations the spaces are merged. Returns the pairs
-    merged by this call.
+    ``threshold`` observations the spaces are merged, unless that would make
+    the tiers a circle (``merged_circle``): the pair is refused then, and its
+    count starts again. Returns the pairs merged and refused by this call.
     """
     canon = books.canon
-    merged: list[tuple[str, str]] = []
-    for a in {canon.get(n, n) for n in freed}:
-        for b in {canon.get(n, n) for n in loaded}:
+    learned = Learned([], [])
+    for a in sorted({canon.get(n, n) for n in freed}):
+        for b in sorted({canon.get(n, n) for n in loaded}):
             a, b = canon.get(a, a), canon.get(b, b)
             if a == b:
                 continue
             pair = frozenset((a, b))
             books.alias_evidence[pair] = books.alias_evidence.get(pair, 0) + 1
-            if books.alias_evidence[pair] >= threshold:
-                del books.alias_evidence[pair]
-                books.merge_spaces(b, a)  # (the step: a test build checks the books after it)
-                merged.append((b, a))
-    return merged
+            if books.alias_evidence[pair] < threshold:
+                continue
+            del books.alias_evidence[pair]
+            found = merged_circle(books, b, a)
+            if found is not None:
+                learned.refused.append(Refused((b, a), found))
+                continue
+            books.merge_spaces(b, a)  # (the step: a test build checks the books after it)
+            learned.merged.append((b, a))
+    return learned
+
+
+def merged_circle(books: Core, keep: str, other: str) -> tuple[str, ...] | None:
+    """The circle the tiers would go round with ``keep`` and ``other`` one memory, if any.
+
+    Merging renames ``other`` to ``keep`` in the tiers and drops a tier
+    between the two; spaces at both ends of a longer chain
+    (``g0 -> ram -> disk``, ``g0`` and ``disk`` one memory) would close it.
+    """
+    canon = books.canon
+    keep, other = canon.get(keep, keep), canon.get(other, other)
+    return None if keep == other else circle(_merged_tiers(books.tiers, keep, other))
+
+
+def _merged_tiers(tiers: Mapping[str, str], keep: str, other: str) -> dict[str, str]:
+    """``tiers`` (by canonical names) once ``other`` is merged into ``keep``."""
+    renamed = ((keep if u == other else u, keep if v == other else v) for u, v in tiers.items())
+    return {upper: lower for upper, lower in renamed if upper != lower}
 
 
 def merge_spaces(books: Core, keep: str, other: str) -> None:
@@ -67,7 +114,17 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
     ``keep`` instead, and the policy is told so as if those entries were
     admitted again (in the order they were last requested). If the merged
     books exceed the capacity, idle entries are evicted at once.
+
+    Raises:
+        InvalidArgument: as one memory, the two would make the tiers a
+            circle (``merged_circle``); nothing is merged.
     """
+    found = merged_circle(books, keep, other)
+    if found is not None:
+        raise InvalidArgument(
+            f"spaces {keep!r} and {other!r} cannot be one memory: the tiers would go "
+            f"round in a circle: {' -> '.join(found)}"
+        )
     books._settle()
     canon = books.canon
     keep, other = canon.get(keep, keep), canon.get(other, other)
@@ -127,11 +184,7 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
     canon[other] = keep
     books.spaces[other] = kept
     # A tier between the two is one memory now: no move; others follow the merge.
-    books.tiers = {
-        upper: lower
-        for upper, lower in ((canon.get(u, u), canon.get(v, v)) for u, v in books.tiers.items())
-        if upper != lower
-    }
+    books.tiers = _merged_tiers(books.tiers, keep, other)
     books.canon_names.remove(other)
     if other in books._overdrawn:
         books._overdrawn.discard(other)

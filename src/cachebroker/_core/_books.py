@@ -160,6 +160,7 @@ class Core:
         "sizes",
         "spaces",
         "tick",
+        "tier_names",
         "tiers",
     )
 
@@ -183,6 +184,9 @@ class Core:
         #: Each space's lower tier: where its idle entries may be moved
         #: instead of released (``_moves``), when their owner can move them.
         self.tiers: dict[str, str] = dict(tiers or {})
+        #: The tiers as given, by the names given (merges rewrite ``tiers``):
+        #: the names an owner is told its values move down to (``_moves.owner_space``).
+        self.tier_names: dict[str, str] = dict(self.tiers)
         #: Demotions decided and waiting for their room in the lower tier, in order.
         self._demoting: dict[Entry, None] = {}
         self.demotions = 0
@@ -533,6 +537,7 @@ class Core:
                 remembered = self.sizes.get((owner.name, key))
                 unknown = remembered is None
                 need = {} if remembered is None else dict(remembered)
+            asked = (*places, *need) if places is not None else tuple(need)
             if self.canon:
                 need = canonical(self.canon, need)
             if places is not None:
@@ -552,6 +557,7 @@ class Core:
                 slots=slots,
                 priority=priority,
                 places=places,
+                asked=asked,
             )
             entry.declared_cost = cost
             self._count_request(entry)
@@ -619,9 +625,10 @@ class Core:
         measured larger than declared. The entry is loading, ``task`` joined
         to it: the load reports how the entry stands there.
         """
+        asked = tuple(charge)
         if self.canon:
             charge = canonical(self.canon, charge)
-        entry = self._create(owner, key, charge, priority=priority)
+        entry = self._create(owner, key, charge, priority=priority, asked=asked)
         self.misses -= 1  # (no request of these books: nothing was missed here)
         ticket = Ticket(entry, task)
         entry.joiners.append(ticket)
@@ -752,6 +759,7 @@ class Core:
         slots: int | None = None,
         priority: int | None = None,
         places: tuple[str, ...] | None = None,
+        asked: tuple[str, ...] = (),
     ) -> Entry:
         if priority is None:
             priority = owner.priority
@@ -759,6 +767,7 @@ class Core:
         entry = Entry(owner, key, need)
         entry.priority = priority
         entry.places = places
+        entry.asked = asked
         if self.promote_history:
             entry.promote_cost = self.promote_history.get((owner.name, key))
         if slots is not None:
@@ -1079,6 +1088,8 @@ class Core:
         recharged = False
         if measured is not None:
             self.remember(entry.owner.name, entry.key, measured)
+            if not measured.keys() <= set(entry.asked):  # (a size unknown until measured)
+                entry.asked = (*entry.asked, *(n for n in measured if n not in entry.asked))
             if measured != entry.charge:
                 self._recharge(entry, measured)
                 recharged = True
@@ -1776,13 +1787,18 @@ class Core:
 
     def note_alias_evidence(
         self, freed: Iterable[str], loaded: Iterable[str], threshold: int
-    ) -> list[tuple[str, str]]:
+    ) -> _aliases.Learned:
         """A load in ``loaded`` spaces fit only after freeing in ``freed`` spaces (``_aliases``)."""
         return _aliases.note_alias_evidence(self, freed, loaded, threshold)
 
     def merge_spaces(self, keep: str, other: str) -> None:
-        """Treat spaces ``keep`` and ``other`` as one memory from now on (``_aliases``)."""
+        """Treat spaces ``keep`` and ``other`` as one memory from now on (``_aliases``);
+        ``InvalidArgument`` if that would make the tiers a circle."""
         _aliases.merge_spaces(self, keep, other)
+
+    def owner_space(self, entry: Entry, space: str) -> str:
+        """``space`` by the name ``entry``'s owner gave it (``_moves.owner_space``)."""
+        return _moves.owner_space(self, entry, space)
 
     def aliases(self) -> list[tuple[str, ...]]:
         """The groups of space names known to be one memory (each group sorted)."""

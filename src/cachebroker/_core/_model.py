@@ -177,6 +177,7 @@ class Entry:
 
     __slots__ = (
         "after",
+        "asked",
         "cache",
         "charge",
         "cost",
@@ -250,6 +251,10 @@ class Entry:
         #: The spaces it may be placed in (``acquire(spaces=...)``), in the order
         #: given; ``need`` is its size in one of them, chosen when it is granted.
         self.places: tuple[str, ...] | None = None
+        #: The space names its first request gave (its size's, then its places),
+        #: as given: its owner is told of a space by its own name for it, which
+        #: a merge of spaces does not change (``_moves.owner_space``).
+        self.asked: tuple[str, ...] = ()
         #: Tiers (``Core.tiers``): the charge it had where it was loaded, while
         #: it is parked lower (``None``: it is where it was loaded); while
         #: ``moving``, the charge it moves to, and whether the move goes back up;

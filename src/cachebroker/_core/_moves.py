@@ -40,15 +40,36 @@ if TYPE_CHECKING:
 
 __all__ = [
     "cancel_demotion",
+    "circle",
     "evict_one",
     "freed",
     "give_up",
     "grant_demotions",
+    "owner_space",
     "parked_cost",
     "queue_promotion",
     "reserved",
     "start_promotion",
 ]
+
+
+def circle(tiers: Mapping[str, str]) -> tuple[str, ...] | None:
+    """A circle that ``tiers`` go round in (``("a", "b", "a")``), or ``None``: a chain.
+
+    A tier map must be a chain: a value evicted down a circle would come back
+    to where it was, and an eviction that makes room below would recurse for
+    ever. ``Broker(tiers=...)`` refuses one given directly, and a merge of two
+    spaces (``_aliases``) refuses to make one.
+    """
+    for start in tiers:
+        seen = [start]
+        below = tiers.get(start)
+        while below is not None:
+            if below in seen:
+                return (*seen[seen.index(below) :], below)
+            seen.append(below)
+            below = tiers.get(below)
+    return None
 
 
 def reserved(entry: Entry) -> dict[str, int]:
@@ -70,6 +91,32 @@ def destination(entry: Entry) -> str:
     if not gains:  # (a move within one space: measured sizes made them equal)
         return next(iter(entry.target or entry.charge))
     return max(gains, key=gains.__getitem__)
+
+
+def owner_space(books: Core, entry: Entry, space: str) -> str:
+    """``space`` (a books' name) by the name ``entry``'s owner knows it by.
+
+    A merge keeps one name for two spaces in the books, but each owner named
+    its space itself: a value goes back up to the name its request gave
+    (``Entry.asked``), and down to the name the tiers as given put below
+    that. The books' name is left for a space the owner never named.
+    """
+    canon = books.canon
+    if not canon:  # (nothing merged: every name is the one given)
+        return space
+    for name in entry.asked:
+        if canon.get(name, name) == space:
+            return name
+    given = books.tier_names
+    for name in entry.asked:
+        below = given.get(name)
+        for _ in given:  # (a chain: it ends within this many steps)
+            if below is None:
+                break
+            if canon.get(below, below) == space:
+                return below
+            below = given.get(below)
+    return space
 
 
 class _Parked:
@@ -212,7 +259,7 @@ def grant_demotions(books: Core) -> None:
             del books._demoting[entry]
             for name, amount in taking.items():
                 spaces[name].used += amount
-            books.effects.append(StartMove(entry, destination(entry)))
+            books.effects.append(StartMove(entry, owner_space(books, entry, destination(entry))))
             continue
         coming = all(
             amount
@@ -271,4 +318,4 @@ def start_promotion(books: Core, entry: Entry) -> None:
         books.spaces[name].used += amount
     for name, amount in freed(entry).items():
         books.spaces[name].releasing += amount
-    books.effects.append(StartMove(entry, destination(entry)))
+    books.effects.append(StartMove(entry, owner_space(books, entry, destination(entry))))

@@ -91,7 +91,8 @@ class Broker:
         oom_retries: How many times one load may be retried after freeing.
         aliases: Groups of space names known to be one memory, e.g. from a
             previous broker's ``stats().aliases``. They share one capacity
-            (the larger budget) and evict from each other.
+            (the larger budget) and evict from each other. A group that would
+            make ``tiers`` go round in a circle raises ``InvalidArgument``.
         alias_threshold: How many times a load in one space must have fit only
             after freeing in another before the broker merges the two.
         memory_wait: After a release on a probed space, how long to wait for
@@ -118,7 +119,8 @@ class Broker:
             instead of released, when its cache's releaser offers
             ``move(key, value, to)`` and the lower tier's policy ranks it
             above what it would displace there; an acquire moves it back.
-            See docs/memory.md ("Tiers").
+            ``move`` is told each space by the name the acquire (or ``tiers``)
+            gave it, whatever ``aliases`` merge. See docs/memory.md ("Tiers").
 
     .. versionadded:: 0.1.0
     """

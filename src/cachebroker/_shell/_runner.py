@@ -125,12 +125,12 @@ class _Slot:
         measure: Callable[[Any], Any] | None,
         now: float,
         *,
-        placed: Mapping[str, str] | None = None,
+        placed: bool = False,
     ) -> None:
         self.load = load
         self.is_async = is_async_callable(load)
-        #: The acquire gave places (``spaces=``; the names it gave them, by the
-        #: books' names): the loader takes the chosen one's name, and a plain
+        #: The acquire gave places (``spaces=``): the loader takes the chosen
+        #: one's name (the acquire's own, ``Core.owner_space``), and a plain
         #: measured size is charged there.
         self.placed = placed
         self.measure = measure
@@ -561,9 +561,9 @@ class Runner:
     def _start_load(self, entry: Entry) -> None:
         cache = self._caches[entry.owner]
         slot: _Slot = entry.shell
-        if slot.placed is not None:  # the loader learns where, by the name it gave
-            space = next(iter(entry.charge))
-            slot.load = functools.partial(slot.load, slot.placed.get(space, space))
+        if slot.placed:  # the loader learns where, by the name it gave
+            space = self.core.owner_space(entry, next(iter(entry.charge)))
+            slot.load = functools.partial(slot.load, space)
         if not self.admits_elsewhere:
             self._granted(entry)
         cache.spawn(self._run_load, entry, name=f"cachebroker load {cache.name}:{entry.key!r}")
@@ -621,7 +621,7 @@ class Runner:
                     raise
                 return
             seconds = max(0.0, self.clock() - started)
-            where = next(iter(entry.charge)) if slot.placed is not None else None
+            where = core.owner_space(entry, next(iter(entry.charge))) if slot.placed else None
             measured, error, fatal = self._measure(entry, slot, value, where)
             core.load_done(entry, value, measured, seconds, self.clock(), error=error)
             if fatal is not None:
@@ -730,12 +730,22 @@ class Runner:
         """The load fit only after freeing in ``freed``: evidence of one memory."""
         if not freed:
             return
-        merged = self.core.note_alias_evidence(freed, entry.charge, self._alias_threshold)
-        for keep, other in merged:
+        learned = self.core.note_alias_evidence(freed, entry.charge, self._alias_threshold)
+        for keep, other in learned.merged:
             self.emit(
                 "warning",
                 ev.ALIAS_LEARNED,
                 spaces=[keep, other],
+                evidence=self._alias_threshold,
+                cache=entry.owner.name,
+                key=entry.key,
+            )
+        for refused in learned.refused:
+            self.emit(
+                "warning",
+                ev.ALIAS_REFUSED,
+                spaces=sorted(refused.spaces),
+                circle=list(refused.circle),
                 evidence=self._alias_threshold,
                 cache=entry.owner.name,
                 key=entry.key,
@@ -1429,7 +1439,7 @@ class Runner:
             self.apply()
             return await self._wait(ticket, timeout)
         if entry.shell is None:
-            entry.shell = _Slot(load, measure, self.clock(), placed=self._placed(places))
+            entry.shell = _Slot(load, measure, self.clock(), placed=places is not None)
             self.log.debug(ev.MISS, cache=name, key=key, bytes=need)
         if entry.state is State.WAITING:
             self.log.debug(ev.WAIT, cache=name, key=key, bytes=entry.need)
@@ -1515,7 +1525,7 @@ class Runner:
                 [],
             )
         if entry.shell is None:
-            entry.shell = _Slot(load, measure, self.clock(), placed=self._placed(places))
+            entry.shell = _Slot(load, measure, self.clock(), placed=places is not None)
         if entry.state is State.WAITING:
             self.log.debug(ev.WAIT, cache=owner.name, key=key, bytes=entry.need)
             if self._lease_warning is not None and self._sweep_wake is not None:
@@ -1532,13 +1542,6 @@ class Runner:
 
     #: Whether these books choose among an acquire's places (``spaces=``).
     placement = True
-
-    def _placed(self, places: tuple[str, ...] | None) -> dict[str, str] | None:
-        """The names an acquire gave its places by, keyed by the books' (aliases merge them)."""
-        if places is None:
-            return None
-        canon = self.core.canon
-        return {canon.get(name, name): name for name in reversed(places)}
 
     async def _wait(
         self, ticket: Ticket, timeout: float | None, *, lease: bool = True
