@@ -74,3 +74,22 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[bench,sim]")
     for script in ("hit_path", "scaling", "contention", "remote", "policies", "replay", "soak"):
         session.run("python", f"benchmarks/{script}.py", *session.posargs)
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """Mutation testing of the scheduler and the policies' victim choice (cosmic-ray).
+
+    The mutants are run against the core's own tests, with no event loop
+    (tests/mutation/cosmic-ray.toml), which must kill at least 90% of them
+    (tests/mutation/decisions.py: ``score``). The sources are mutated in
+    place, one mutant at a time, and restored: run it on a clean checkout.
+    ``-- resume`` goes on with the last session's database.
+    """
+    session.install("-e", ".[test]", "cosmic-ray>=8.3")
+    config, database = "tests/mutation/cosmic-ray.toml", "mutants.sqlite"
+    if "resume" not in session.posargs:
+        session.run("cosmic-ray", "init", config, database)
+        session.run("python", "tests/mutation/decisions.py", "skip", database)
+    session.run("cosmic-ray", "exec", config, database, env={"HYPOTHESIS_PROFILE": "mutants"})
+    session.run("python", "tests/mutation/decisions.py", "score", database, "--fail-under", "90")

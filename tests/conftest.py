@@ -36,6 +36,16 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", max_examples=30, deadline=None)
+# "mutants": the mutation run's (nox -s mutants), a few deterministic examples per
+# property, so that a surviving mutant costs seconds; the example tests do the killing.
+settings.register_profile(
+    "mutants",
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -266,6 +266,16 @@ def test_draining_spares_pinned_entries_and_those_of_a_higher_priority() -> None
     h.core.check()
 
 
+def test_a_request_of_a_higher_priority_drains_entries_of_lower_ones() -> None:
+    h, _held = crowded()
+    waiter = h.core.request(h.owner, "w", {"m": 50}, "u", priority=5)
+    h.drain()
+    serve_requests(h, 3)
+    assert draining(h) == {"b", "c"}
+    assert waiter.entry.state is State.WAITING
+    h.core.check()
+
+
 def test_draining_counts_what_is_already_coming() -> None:
     """An idle entry and one already draining cover part of the shortfall: only
     what is still missing is drained."""
