@@ -526,16 +526,6 @@ def test_with_no_place_left_the_first_places_error_is_raised() -> None:
     h.core.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "_scheduler._place prices every place by calling policy.victims() on it, and "
-        "GDSF.victims raises its clock to the priority of the victims it returns: the "
-        "clock rises to the rank of gpu0's candidate (reload 50s) although only gpu1's "
-        "(5s) is evicted, so every entry admitted later ages as if the dearer one had "
-        "gone. Pricing needs a side-effect-free query (or the clock restored)"
-    ),
-)
 def test_weighing_the_places_does_not_age_gdsf() -> None:
     clocks = []
     for places in (GPUS, ("gpu1",)):

@@ -15,7 +15,7 @@ import copy
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .._errors import (
@@ -105,6 +105,22 @@ def _hook(policy: Policy, name: str) -> Callable[[Entry], None] | None:
     return method  # type: ignore[no-any-return]
 
 
+#: What ``Policy.evicted`` looks like (an optional hook: ``_evicted_hook``).
+_Evicted = Callable[[Sequence[PolicyEntry], Mapping[str, int]], None]
+
+
+def _evicted_hook(policy: Policy) -> _Evicted | None:
+    """``policy.evicted``, or ``None`` when it has none or PolicyBase's no-op.
+
+    The hook is optional (``Policy`` does not list it): a policy written
+    before it, or without a use for it, is told nothing.
+    """
+    method = getattr(policy, "evicted", None)
+    if not callable(method) or getattr(type(policy), "evicted", None) is PolicyBase.evicted:
+        return None
+    return method  # type: ignore[no-any-return]
+
+
 class Core:
     """The books of one broker. See the package docstring for the invariants."""
 
@@ -116,6 +132,7 @@ class Core:
         "_admit",
         "_busy",
         "_demoting",
+        "_evicted",
         "_expiry",
         "_fair_at",
         "_gate",
@@ -199,6 +216,7 @@ class Core:
         self._busy = _hook(policy, "busy")
         self._admit = _hook(policy, "admit")
         self._remove = _hook(policy, "remove")
+        self._evicted = _evicted_hook(policy)
         #: The request clock: one tick per acquire (hit, join or miss).
         self.tick = 0
         self.idle_ttl = idle_ttl
@@ -379,6 +397,7 @@ class Core:
         self._priorities = self.policy = priorities
         self._touch, self._busy = priorities.touch, priorities.busy
         self._admit, self._remove = priorities.admit, priorities.remove
+        self._evicted = priorities.evicted
 
     def _wait_for_slot(self, entry: Entry, task: object, loading: tuple[Entry, ...] = ()) -> Ticket:
         """Queue ``task`` for a lease slot of a ready entry whose slots are taken.
@@ -1040,6 +1059,15 @@ class Core:
             return self.policy.victims(shortfall)
         return priorities.victims(shortfall, up_to)
 
+    def policy_evicted(self, victims: Sequence[Entry], shortfall: Mapping[str, int]) -> None:
+        """Tell the policy that ``victims``, its choice for ``shortfall``, are evicted.
+
+        Only for a choice acted on: ``policy_victims`` is also asked to weigh
+        options (placement, tiers), which must leave the policy as it was.
+        """
+        if self._evicted is not None and victims:
+            self._evicted(victims, shortfall)
+
     def remember(self, cache: str, key: Hashable, charge: Mapping[str, int]) -> None:
         """Remember the measured size of ``key`` in ``cache`` (space names as given)."""
         _keep(self.sizes, (cache, key), dict(charge))
@@ -1425,6 +1453,7 @@ class Core:
                     break
                 chosen = self.policy.victims(dict.fromkeys(asked, 1))
                 victims = [v for v in chosen if isinstance(v, Entry) and v.idle]
+                self.policy_evicted(victims, dict.fromkeys(asked, 1))
         if not victims and self._unsized:
             victims = [next(iter(self._unsized))]
         for victim in victims:
