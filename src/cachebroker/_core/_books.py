@@ -554,8 +554,10 @@ class Core:
                 need = {} if remembered is None else dict(remembered)
             if self.canon:
                 need = canonical(self.canon, need)
+            asked = None
             if places is not None:
-                places, need = self._placeable(owner, key, places, need, task, held)
+                asked = tuple(dict.fromkeys(self.canon.get(name, name) for name in places))
+                places, need = self._placeable(owner, key, asked, need, task, held)
             self._check_fit(owner, key, need)
             # (A placed request holds leases where any of its places lies.)
             spread = need if places is None else dict.fromkeys(places, sum(need.values()))
@@ -571,6 +573,7 @@ class Core:
                 slots=slots,
                 priority=priority,
                 places=places,
+                asked=asked,
             )
             entry.declared_cost = cost
             self._count_request(entry)
@@ -580,15 +583,22 @@ class Core:
                 self._hurry(entry)
             # A demoted entry is promoted back to where it was loaded, for its
             # first requester; later ones join (as do requesters of a move).
+            # Placed, it may come back to any of the places its acquire asked
+            # for that this request could wait in.
             promote = entry.state is State.DEMOTED and entry not in self.queue
             need = entry.home if promote and entry.home is not None else entry.need
-            if promote and entry.places is not None and len(need) == 1:
-                _, need = self._placeable(owner, key, entry.places, need, task, held)
+            placed = entry.places
+            if promote and entry.asked is not None and len(need) == 1:
+                placed, need = self._placeable(owner, key, entry.asked, need, task, held)
             if promote:
                 self._check_fit(owner, key, need)
             waiting = promote or entry.state is State.WAITING or entry in self.queue
+            # (A placed promotion, like a placed load, holds leases in any of its places.)
+            spread = (
+                need if not promote or placed is None else dict.fromkeys(placed, sum(need.values()))
+            )
             mine = (
-                self._leased_by(task, need, queued=len(self.queue) > (not promote), held=held)
+                self._leased_by(task, spread, queued=len(self.queue) > (not promote), held=held)
                 if waiting
                 else []
             )
@@ -601,6 +611,7 @@ class Core:
             ) and not self._prefetching:
                 self.misses += 1
             if promote:
+                entry.places = placed
                 _moves.queue_promotion(self, entry, need)
             self._count_request(entry)
         ticket = Ticket(entry, task, loading, held)
@@ -771,6 +782,7 @@ class Core:
         slots: int | None = None,
         priority: int | None = None,
         places: tuple[str, ...] | None = None,
+        asked: tuple[str, ...] | None = None,
     ) -> Entry:
         if priority is None:
             priority = owner.priority
@@ -778,6 +790,7 @@ class Core:
         entry = Entry(owner, key, need)
         entry.priority = priority
         entry.places = places
+        entry.asked = asked
         if self.promote_history:
             entry.promote_cost = self.promote_history.get((owner.name, key))
         if slots is not None:
@@ -863,11 +876,14 @@ class Core:
         task: object,
         held: tuple[Entry, ...] | None,
     ) -> tuple[tuple[str, ...] | None, dict[str, int]]:
-        """The places a new entry of size ``need`` (in one space) may go, and its first need.
+        """The places where a request of ``task`` for an entry of size ``need`` (in one
+        space) may wait, and its first need: for a new entry, or a demoted one's promotion.
 
         Places that can never hold it, or only by evicting ``task``'s own
         leases, are left out; with none left, the first one's error is raised.
-        ``None``: a single place is left (an ordinary entry).
+        ``None``: a single place is left (an ordinary wait). What is left out
+        is left out of this request's wait only: the entry keeps every place
+        asked for (``Entry.asked``), and its next promotion chooses again.
         """
         amount = sum(need.values())
         names = list(dict.fromkeys(self.canon.get(name, name) for name in places))

@@ -177,6 +177,7 @@ class Entry:
 
     __slots__ = (
         "after",
+        "asked",
         "cache",
         "charge",
         "cost",
@@ -247,9 +248,14 @@ class Entry:
         #: What losing it where it is now costs, as policies read it: ``reload``,
         #: or, parked in a lower tier, ``reload`` less its promotion's seconds.
         self.cost = 0.0
-        #: The spaces it may be placed in (``acquire(spaces=...)``), in the order
-        #: given; ``need`` is its size in one of them, chosen when it is granted.
+        #: The spaces its wait may be placed in (``acquire(spaces=...)``), in the
+        #: order given; ``need`` is its size in one of them, chosen when it is
+        #: granted. Those of ``asked`` left to the request that queued it (see
+        #: ``Core._placeable``); ``None``: one was left, ``need``'s.
         self.places: tuple[str, ...] | None = None
+        #: Every space its acquire asked for (``None``: it gave no places), kept
+        #: for its life: a promotion chooses among them again, for its requester.
+        self.asked: tuple[str, ...] | None = None
         #: Tiers (``Core.tiers``): the charge it had where it was loaded, while
         #: it is parked lower (``None``: it is where it was loaded); while
         #: ``moving``, the charge it moves to, and whether the move goes back up;
