@@ -153,7 +153,7 @@ def demoted_from_gpu1(h: Harness) -> tuple[Ticket, Entry]:
     first = place(h, "a", task="t")  # gpu0 left out of this request: t's own lease
     a = first.entry
     assert a.places is None and a.need == {"gpu1": 60}
-    assert a.asked == GPUS  # the entry keeps every place asked for
+    assert a.asked_places == GPUS  # the entry keeps every place asked for
     h.finish(a)
     h.end(first)
     busy = h.acquire("c", {"gpu1": 90}, task="u")  # a moves down to ram
@@ -194,7 +194,7 @@ def test_a_place_left_out_for_the_promoting_requesters_own_lease_is_out_of_that_
     h.drain()
     # In gpu0 only t's own lease could make room: this promotion waits in gpu1.
     assert a in h.core.queue and a.places is None and a.need == {"gpu1": 60}
-    assert a.asked == GPUS
+    assert a.asked_places == GPUS
     h.leave(again)
     again = h.core.request(h.owner, "a", None, "v")  # another task: gpu0 is open to it
     h.drain()

@@ -112,8 +112,8 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
         if entry.places is not None:
             entry.places = _rename(entry.places, other, keep)
     for entry in entries:  # (the places an acquire asked for: not on the books)
-        if entry.asked is not None and other in entry.asked:
-            entry.asked = _rename(entry.asked, other, keep)
+        if entry.asked_places is not None and other in entry.asked_places:
+            entry.asked_places = _rename(entry.asked_places, other, keep)
     kept.budget = max(kept.budget, gone.budget)
     kept.capacity = max(kept.capacity, gone.capacity)
     kept.limit = max(kept.limit, gone.limit)

@@ -554,10 +554,10 @@ class Core:
                 need = {} if remembered is None else dict(remembered)
             if self.canon:
                 need = canonical(self.canon, need)
-            asked = None
+            asked_places = None
             if places is not None:
-                asked = tuple(dict.fromkeys(self.canon.get(name, name) for name in places))
-                places, need = self._placeable(owner, key, asked, need, task, held)
+                asked_places = tuple(dict.fromkeys(self.canon.get(n, n) for n in places))
+                places, need = self._placeable(owner, key, asked_places, need, task, held)
             self._check_fit(owner, key, need)
             # (A placed request holds leases where any of its places lies.)
             spread = need if places is None else dict.fromkeys(places, sum(need.values()))
@@ -573,7 +573,7 @@ class Core:
                 slots=slots,
                 priority=priority,
                 places=places,
-                asked=asked,
+                asked_places=asked_places,
             )
             entry.declared_cost = cost
             self._count_request(entry)
@@ -588,8 +588,8 @@ class Core:
             promote = entry.state is State.DEMOTED and entry not in self.queue
             need = entry.home if promote and entry.home is not None else entry.need
             placed = entry.places
-            if promote and entry.asked is not None and len(need) == 1:
-                placed, need = self._placeable(owner, key, entry.asked, need, task, held)
+            if promote and entry.asked_places is not None and len(need) == 1:
+                placed, need = self._placeable(owner, key, entry.asked_places, need, task, held)
             if promote:
                 self._check_fit(owner, key, need)
             waiting = promote or entry.state is State.WAITING or entry in self.queue
@@ -782,7 +782,7 @@ class Core:
         slots: int | None = None,
         priority: int | None = None,
         places: tuple[str, ...] | None = None,
-        asked: tuple[str, ...] | None = None,
+        asked_places: tuple[str, ...] | None = None,
     ) -> Entry:
         if priority is None:
             priority = owner.priority
@@ -790,7 +790,7 @@ class Core:
         entry = Entry(owner, key, need)
         entry.priority = priority
         entry.places = places
-        entry.asked = asked
+        entry.asked_places = asked_places
         if self.promote_history:
             entry.promote_cost = self.promote_history.get((owner.name, key))
         if slots is not None:

@@ -177,7 +177,7 @@ class Entry:
 
     __slots__ = (
         "after",
-        "asked",
+        "asked_places",
         "cache",
         "charge",
         "cost",
@@ -250,12 +250,12 @@ class Entry:
         self.cost = 0.0
         #: The spaces its wait may be placed in (``acquire(spaces=...)``), in the
         #: order given; ``need`` is its size in one of them, chosen when it is
-        #: granted. Those of ``asked`` left to the request that queued it (see
+        #: granted. Those of ``asked_places`` left to the request that queued it (see
         #: ``Core._placeable``); ``None``: one was left, ``need``'s.
         self.places: tuple[str, ...] | None = None
         #: Every space its acquire asked for (``None``: it gave no places), kept
         #: for its life: a promotion chooses among them again, for its requester.
-        self.asked: tuple[str, ...] | None = None
+        self.asked_places: tuple[str, ...] | None = None
         #: Tiers (``Core.tiers``): the charge it had where it was loaded, while
         #: it is parked lower (``None``: it is where it was loaded); while
         #: ``moving``, the charge it moves to, and whether the move goes back up;
