@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from cachebroker import Broker, DeadlockError, InvalidArgument, RequestTooLarge
-from cachebroker._core import State, Ticket
+from cachebroker._core import Entry, State, Ticket
 from tests.harness import Harness
 
 GPUS = ("gpu0", "gpu1")
@@ -142,6 +142,63 @@ def test_a_demoted_value_is_placed_again_when_it_comes_back_up() -> None:
     assert a.state is State.MOVING and h.moving[-1] == (a, "gpu1")
     h.move(a)
     assert ticket.outcome is True and a.charge == {"gpu1": 60}
+    h.core.check()
+
+
+def demoted_from_gpu1(h: Harness) -> tuple[Ticket, Entry]:
+    """``a`` placed while task ``t`` holds 80 of gpu0 (so loaded on gpu1), then moved
+    down to ram; returns ``t``'s lease on gpu0 and ``a``'s entry."""
+    mine = h.acquire("x", {"gpu0": 80}, task="t")
+    h.finish(mine.entry)
+    first = place(h, "a", task="t")  # gpu0 left out of this request: t's own lease
+    a = first.entry
+    assert a.places is None and a.need == {"gpu1": 60}
+    assert a.asked_places == GPUS  # the entry keeps every place asked for
+    h.finish(a)
+    h.end(first)
+    busy = h.acquire("c", {"gpu1": 90}, task="u")  # a moves down to ram
+    h.move(a)
+    h.finish(busy.entry)
+    assert a.state is State.DEMOTED
+    return mine, a
+
+
+def tiered_gpus() -> Harness:
+    return Harness(
+        {"gpu0": 100, "gpu1": 100, "ram": 100},
+        tiers={"gpu0": "ram", "gpu1": "ram"},
+        moves=True,
+    )
+
+
+def test_a_promotion_chooses_again_among_every_place_its_acquire_asked_for() -> None:
+    h = tiered_gpus()
+    mine, a = demoted_from_gpu1(h)
+    h.end(mine)
+    assert h.core.invalidate(h.owner, "x")
+    h.drain()
+    h.ack(h.owner.entries["x"])  # gpu0 is empty; gpu1 is c's, leased
+    again = h.core.request(h.owner, "a", None, "t")
+    h.drain()
+    assert a.places == GPUS  # t holds no lease now: both places are open to it
+    assert a.state is State.MOVING and h.moving == [(a, "gpu0")]
+    h.move(a)
+    assert again.outcome is True and a.charge == {"gpu0": 60}
+    h.core.check()
+
+
+def test_a_place_left_out_for_the_promoting_requesters_own_lease_is_out_of_that_wait_only() -> None:
+    h = tiered_gpus()
+    _, a = demoted_from_gpu1(h)  # t still holds x, 80 of gpu0
+    again = h.core.request(h.owner, "a", None, "t")
+    h.drain()
+    # In gpu0 only t's own lease could make room: this promotion waits in gpu1.
+    assert a in h.core.queue and a.places is None and a.need == {"gpu1": 60}
+    assert a.asked_places == GPUS
+    h.leave(again)
+    again = h.core.request(h.owner, "a", None, "v")  # another task: gpu0 is open to it
+    h.drain()
+    assert a in h.core.queue and a.places == GPUS
     h.core.check()
 
 

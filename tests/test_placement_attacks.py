@@ -5,8 +5,7 @@ mixed, over every policy and with tiers; then targeted scenarios on the
 books (per-space first come first served, holders passing, quarantine,
 aliases, successors, measured sizes, demotions) and on the shell on every
 backend (what the loader is told, timeouts, cancellation, prefetch, a
-connected broker). Bugs found are strict xfails whose reason says what
-goes wrong.
+connected broker). Each bug they found is fixed, its scenario kept here.
 """
 
 from __future__ import annotations
@@ -526,16 +525,6 @@ def test_with_no_place_left_the_first_places_error_is_raised() -> None:
     h.core.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "_scheduler._place prices every place by calling policy.victims() on it, and "
-        "GDSF.victims raises its clock to the priority of the victims it returns: the "
-        "clock rises to the rank of gpu0's candidate (reload 50s) although only gpu1's "
-        "(5s) is evicted, so every entry admitted later ages as if the dearer one had "
-        "gone. Pricing needs a side-effect-free query (or the clock restored)"
-    ),
-)
 def test_weighing_the_places_does_not_age_gdsf() -> None:
     clocks = []
     for places in (GPUS, ("gpu1",)):
@@ -659,16 +648,6 @@ def test_a_learned_alias_merges_the_places_of_a_waiter() -> None:
     h.core.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Core._placeable returns places=None when a single place is left, and the entry "
-        "keeps that: a place left out only because the requester then held a lease there "
-        "is lost for good. When the value is later demoted and acquired again, Core.request "
-        "(promote and entry.places is None) brings it back to its old GPU only, waiting "
-        "for a leased gpu1 while gpu0, one of the spaces it was asked for, is empty"
-    ),
-)
 def test_a_demoted_value_comes_back_among_all_the_spaces_it_was_asked_for() -> None:
     h = Harness(
         {"gpu0": 100, "gpu1": 100, "ram": 100},

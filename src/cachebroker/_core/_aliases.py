@@ -167,7 +167,10 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
         if entry.home is not None:
             entry.home = _move(entry.home, other, keep)
         if entry.places is not None:
-            entry.places = tuple(dict.fromkeys(keep if p == other else p for p in entry.places))
+            entry.places = _rename(entry.places, other, keep)
+    for entry in entries:  # (the places an acquire asked for: not on the books)
+        if entry.asked_places is not None and other in entry.asked_places:
+            entry.asked_places = _rename(entry.asked_places, other, keep)
     kept.budget = max(kept.budget, gone.budget)
     kept.capacity = max(kept.capacity, gone.capacity)
     kept.limit = max(kept.limit, gone.limit)
@@ -215,6 +218,11 @@ def _move(charge: dict[str, int], other: str, keep: str) -> dict[str, int]:
     moved = dict(charge)
     moved[keep] = moved.get(keep, 0) + moved.pop(other)
     return moved
+
+
+def _rename(places: tuple[str, ...], other: str, keep: str) -> tuple[str, ...]:
+    """``places`` with ``other`` called ``keep`` (once, where it first appears)."""
+    return tuple(dict.fromkeys(keep if name == other else name for name in places))
 
 
 def aliases(canon: Mapping[str, str]) -> list[tuple[str, ...]]:

@@ -15,7 +15,7 @@ import copy
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .._errors import (
@@ -105,6 +105,22 @@ def _hook(policy: Policy, name: str) -> Callable[[Entry], None] | None:
     return method  # type: ignore[no-any-return]
 
 
+#: What ``Policy.evicted`` looks like (an optional hook: ``_evicted_hook``).
+_Evicted = Callable[[Sequence[PolicyEntry], Mapping[str, int]], None]
+
+
+def _evicted_hook(policy: Policy) -> _Evicted | None:
+    """``policy.evicted``, or ``None`` when it has none or PolicyBase's no-op.
+
+    The hook is optional (``Policy`` does not list it): a policy written
+    before it, or without a use for it, is told nothing.
+    """
+    method = getattr(policy, "evicted", None)
+    if not callable(method) or getattr(type(policy), "evicted", None) is PolicyBase.evicted:
+        return None
+    return method  # type: ignore[no-any-return]
+
+
 class Core:
     """The books of one broker. See the package docstring for the invariants."""
 
@@ -116,6 +132,7 @@ class Core:
         "_admit",
         "_busy",
         "_demoting",
+        "_evicted",
         "_expiry",
         "_fair_at",
         "_gate",
@@ -203,6 +220,7 @@ class Core:
         self._busy = _hook(policy, "busy")
         self._admit = _hook(policy, "admit")
         self._remove = _hook(policy, "remove")
+        self._evicted = _evicted_hook(policy)
         #: The request clock: one tick per acquire (hit, join or miss).
         self.tick = 0
         self.idle_ttl = idle_ttl
@@ -383,6 +401,7 @@ class Core:
         self._priorities = self.policy = priorities
         self._touch, self._busy = priorities.touch, priorities.busy
         self._admit, self._remove = priorities.admit, priorities.remove
+        self._evicted = priorities.evicted
 
     def _wait_for_slot(self, entry: Entry, task: object, loading: tuple[Entry, ...] = ()) -> Ticket:
         """Queue ``task`` for a lease slot of a ready entry whose slots are taken.
@@ -540,8 +559,10 @@ class Core:
             asked = (*places, *need) if places is not None else tuple(need)
             if self.canon:
                 need = canonical(self.canon, need)
+            asked_places = None
             if places is not None:
-                places, need = self._placeable(owner, key, places, need, task, held)
+                asked_places = tuple(dict.fromkeys(self.canon.get(n, n) for n in places))
+                places, need = self._placeable(owner, key, asked_places, need, task, held)
             self._check_fit(owner, key, need)
             # (A placed request holds leases where any of its places lies.)
             spread = need if places is None else dict.fromkeys(places, sum(need.values()))
@@ -558,6 +579,7 @@ class Core:
                 priority=priority,
                 places=places,
                 asked=asked,
+                asked_places=asked_places,
             )
             entry.declared_cost = cost
             self._count_request(entry)
@@ -567,15 +589,22 @@ class Core:
                 self._hurry(entry)
             # A demoted entry is promoted back to where it was loaded, for its
             # first requester; later ones join (as do requesters of a move).
+            # Placed, it may come back to any of the places its acquire asked
+            # for that this request could wait in.
             promote = entry.state is State.DEMOTED and entry not in self.queue
             need = entry.home if promote and entry.home is not None else entry.need
-            if promote and entry.places is not None and len(need) == 1:
-                _, need = self._placeable(owner, key, entry.places, need, task, held)
+            placed = entry.places
+            if promote and entry.asked_places is not None and len(need) == 1:
+                placed, need = self._placeable(owner, key, entry.asked_places, need, task, held)
             if promote:
                 self._check_fit(owner, key, need)
             waiting = promote or entry.state is State.WAITING or entry in self.queue
+            # (A placed promotion, like a placed load, holds leases in any of its places.)
+            spread = (
+                need if not promote or placed is None else dict.fromkeys(placed, sum(need.values()))
+            )
             mine = (
-                self._leased_by(task, need, queued=len(self.queue) > (not promote), held=held)
+                self._leased_by(task, spread, queued=len(self.queue) > (not promote), held=held)
                 if waiting
                 else []
             )
@@ -588,6 +617,7 @@ class Core:
             ) and not self._prefetching:
                 self.misses += 1
             if promote:
+                entry.places = placed
                 _moves.queue_promotion(self, entry, need)
             self._count_request(entry)
         ticket = Ticket(entry, task, loading, held)
@@ -760,6 +790,7 @@ class Core:
         priority: int | None = None,
         places: tuple[str, ...] | None = None,
         asked: tuple[str, ...] = (),
+        asked_places: tuple[str, ...] | None = None,
     ) -> Entry:
         if priority is None:
             priority = owner.priority
@@ -768,6 +799,7 @@ class Core:
         entry.priority = priority
         entry.places = places
         entry.asked = asked
+        entry.asked_places = asked_places
         if self.promote_history:
             entry.promote_cost = self.promote_history.get((owner.name, key))
         if slots is not None:
@@ -853,11 +885,14 @@ class Core:
         task: object,
         held: tuple[Entry, ...] | None,
     ) -> tuple[tuple[str, ...] | None, dict[str, int]]:
-        """The places a new entry of size ``need`` (in one space) may go, and its first need.
+        """The places where a request of ``task`` for an entry of size ``need`` (in one
+        space) may wait, and its first need: for a new entry, or a demoted one's promotion.
 
         Places that can never hold it, or only by evicting ``task``'s own
         leases, are left out; with none left, the first one's error is raised.
-        ``None``: a single place is left (an ordinary entry).
+        ``None``: a single place is left (an ordinary wait). What is left out
+        is left out of this request's wait only: the entry keeps every place
+        asked for (``Entry.asked``), and its next promotion chooses again.
         """
         amount = sum(need.values())
         names = list(dict.fromkeys(self.canon.get(name, name) for name in places))
@@ -1048,6 +1083,15 @@ class Core:
         if priorities is None:  # (every entry of one priority)
             return self.policy.victims(shortfall)
         return priorities.victims(shortfall, up_to)
+
+    def policy_evicted(self, victims: Sequence[Entry], shortfall: Mapping[str, int]) -> None:
+        """Tell the policy that ``victims``, its choice for ``shortfall``, are evicted.
+
+        Only for a choice acted on: ``policy_victims`` is also asked to weigh
+        options (placement, tiers), which must leave the policy as it was.
+        """
+        if self._evicted is not None and victims:
+            self._evicted(victims, shortfall)
 
     def remember(self, cache: str, key: Hashable, charge: Mapping[str, int]) -> None:
         """Remember the measured size of ``key`` in ``cache`` (space names as given)."""
@@ -1436,6 +1480,7 @@ class Core:
                     break
                 chosen = self.policy.victims(dict.fromkeys(asked, 1))
                 victims = [v for v in chosen if isinstance(v, Entry) and v.idle]
+                self.policy_evicted(victims, dict.fromkeys(asked, 1))
         if not victims and self._unsized:
             victims = [next(iter(self._unsized))]
         for victim in victims:

@@ -28,6 +28,8 @@ def check(books: Core) -> None:
     quarantined = dict.fromkeys(books.spaces, 0)
     for entry in books.entries():
         assert entry.state is not State.GONE, entry
+        # A placed wait chooses among places its acquire asked for.
+        assert entry.places is None or set(entry.places) <= set(entry.asked_places or ()), entry
         for name, amount in entry.charge.items():
             if entry.state is not State.WAITING:
                 used[name] += amount

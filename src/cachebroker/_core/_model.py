@@ -178,6 +178,7 @@ class Entry:
     __slots__ = (
         "after",
         "asked",
+        "asked_places",
         "cache",
         "charge",
         "cost",
@@ -248,13 +249,18 @@ class Entry:
         #: What losing it where it is now costs, as policies read it: ``reload``,
         #: or, parked in a lower tier, ``reload`` less its promotion's seconds.
         self.cost = 0.0
-        #: The spaces it may be placed in (``acquire(spaces=...)``), in the order
-        #: given; ``need`` is its size in one of them, chosen when it is granted.
+        #: The spaces its wait may be placed in (``acquire(spaces=...)``), in the
+        #: order given; ``need`` is its size in one of them, chosen when it is
+        #: granted. Those of ``asked_places`` left to the request that queued it (see
+        #: ``Core._placeable``); ``None``: one was left, ``need``'s.
         self.places: tuple[str, ...] | None = None
         #: The space names its first request gave (its size's, then its places),
         #: as given: its owner is told of a space by its own name for it, which
         #: a merge of spaces does not change (``_moves.owner_space``).
         self.asked: tuple[str, ...] = ()
+        #: Every space its acquire asked for (``None``: it gave no places), kept
+        #: for its life: a promotion chooses among them again, for its requester.
+        self.asked_places: tuple[str, ...] | None = None
         #: Tiers (``Core.tiers``): the charge it had where it was loaded, while
         #: it is parked lower (``None``: it is where it was loaded); while
         #: ``moving``, the charge it moves to, and whether the move goes back up;

@@ -160,10 +160,11 @@ def evict_one(books: Core, victim: Entry, reason: Reason, short: Iterable[str]) 
     if plan is None:
         books._start_release(victim, reason)
         return
-    target, lower, displaced = plan
+    target, room, displaced = plan
+    books.policy_evicted(displaced, room)
     for other in displaced:
         if other.idle_seq:  # (not taken by an earlier step of this cascade)
-            evict_one(books, other, reason, (lower,))
+            evict_one(books, other, reason, room)
     books._leave_idle(victim)
     victim.state = State.MOVING
     sync(victim)
@@ -176,9 +177,10 @@ def evict_one(books: Core, victim: Entry, reason: Reason, short: Iterable[str]) 
 
 def _plan(
     books: Core, entry: Entry, short: Iterable[str]
-) -> tuple[dict[str, int], str, list[Entry]] | None:
-    """Where ``entry`` would go a tier down (its charge there, and the lower tier), and
-    what must go there first; ``None``: release it.
+) -> tuple[dict[str, int], dict[str, int], list[Entry]] | None:
+    """Where ``entry`` would go a tier down (its charge there), the room it lacks in
+    the lower tier (``{lower: bytes}``, empty when there is room) and the victims
+    that must go there for it; ``None``: release it.
 
     A demotion frees only the tiered part of the charge: an entry evicted for
     room in any other of its spaces (``short``) is released.
@@ -210,11 +212,11 @@ def _plan(
     pending = sum(reserved(e).get(lower, 0) for e in books._demoting)
     missing = amount - (space.capacity - space.used + space.releasing - pending)
     if missing <= 0:
-        return target, lower, []
+        return target, {}, []
     if space.idle_bytes < missing:
         return None
     displaced = _displaced(books, entry, {lower: target[lower]}, lower, missing)
-    return None if displaced is None else (target, lower, displaced)
+    return None if displaced is None else (target, {lower: missing}, displaced)
 
 
 def _displaced(

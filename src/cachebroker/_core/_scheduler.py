@@ -176,7 +176,9 @@ def _place(
     The first place it fits now without evicting (and where nobody earlier
     waits), else the first whose in-flight releases will make room, else the
     one whose eviction is cheapest (the reload seconds of the victims the
-    policy would pick there; ties to the earlier place). Places where an
+    policy would pick there, a query that evicts nothing and changes no
+    policy state: only ``evict`` tells the policy of an eviction; ties to
+    the earlier place). Places where an
     earlier waiter of its priority is blocked, or that quarantine made too
     small, come last; the waiter then waits (or is refused) in the first.
     """
@@ -338,6 +340,7 @@ def evict(
                 freed[name] += amount
     if not partial and any(freed[name] < short for name, short in shortfall.items()):
         return False
+    books.policy_evicted(victims, shortfall)  # (the choice is acted on: only now)
     for victim in victims:
         if victim.idle_seq:  # (not taken by an earlier victim's demotion)
             evict_one(books, victim, Reason.CAPACITY, shortfall)

@@ -4,7 +4,9 @@ A policy never decides *whether* to evict. The core tells it what happens to
 entries (requested, loaded, idle, leased again, gone) and asks it for a set
 of victims that covers a shortfall in some spaces. It must only return
 entries that are idle (``entry.idle``), and may return too few: the core then
-evicts nothing and waits.
+evicts nothing and waits. Asking is a pure query (the core also asks to
+weigh choices it does not make); the optional hook ``evicted`` tells the
+policy which victims the core does evict.
 
 What a policy may read on an entry is ``PolicyEntry``: ``key``, ``cache``
 (its cache's name), ``charge`` (space -> bytes), ``cost`` (reload seconds:

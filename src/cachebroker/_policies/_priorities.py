@@ -14,7 +14,7 @@ policies' rankings; within a priority, the policy's ranking holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, cast
 
 from ._cover import cover
@@ -132,6 +132,25 @@ class Priorities(PolicyBase):
                         if remaining[space] <= 0:
                             del remaining[space]
         return chosen if not remaining else []
+
+    def evicted(self, victims: Sequence[PolicyEntry], shortfall: Mapping[str, int]) -> None:
+        """Tell each priority's policy (if it listens) which of its entries are evicted,
+        for the part of ``shortfall`` it was asked to cover: what the lower ones left."""
+        mine: dict[int, list[PolicyEntry]] = {}
+        for entry in victims:
+            mine.setdefault(self._home.get(entry, _priority(entry)), []).append(entry)
+        remaining = {space: need for space, need in shortfall.items() if need > 0}
+        for priority in sorted(mine):
+            evicted = mine[priority]
+            hook = getattr(self.policies.get(priority), "evicted", None)
+            if hook is not None:
+                hook(evicted, dict(remaining))
+            for entry in evicted:
+                for space, amount in entry.charge.items():
+                    if space in remaining:
+                        remaining[space] -= amount
+                        if remaining[space] <= 0:
+                            del remaining[space]
 
 
 def _priority(entry: PolicyEntry) -> int:

@@ -7,7 +7,7 @@ checks every victim it gets back before acting on it.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 
@@ -59,6 +59,14 @@ class Policy(Protocol):
     Every method is called synchronously from the core and must not block or
     raise. Subclass ``PolicyBase`` to get no-op defaults for the hooks you do
     not need (the core then skips calling them).
+
+    ``victims`` is a question, not a decision: the core may ask it for
+    shortfalls it then does not evict for (to weigh the places of a request,
+    or whether a value is worth its room a tier down), so it must change
+    nothing the policy ranks by. What should move with an eviction belongs
+    in the optional hook ``evicted(victims, shortfall)`` (see ``PolicyBase``):
+    it is not part of this protocol, so a policy without it still is one,
+    and the core calls it only on policies that define it.
     """
 
     def touch(self, entry: PolicyEntry) -> None:
@@ -77,7 +85,10 @@ class Policy(Protocol):
         """``entry`` left the books (possibly without ever being admitted)."""
 
     def victims(self, shortfall: Mapping[str, int]) -> list[PolicyEntry]:
-        """Return idle entries whose release covers ``shortfall`` (space -> bytes)."""
+        """Return idle entries whose release covers ``shortfall`` (space -> bytes).
+
+        A query: it must leave the policy as it found it (see the class docstring).
+        """
         ...
 
 
@@ -99,9 +110,21 @@ class PolicyBase:
     def remove(self, entry: PolicyEntry) -> None:
         """``entry`` left the books (no-op)."""
 
+    def evicted(self, victims: Sequence[PolicyEntry], shortfall: Mapping[str, int]) -> None:
+        """The core evicts ``victims``, which ``victims(shortfall)`` chose (no-op).
+
+        Called once per eviction the core acts on, before the victims are
+        released (``busy``, later ``remove``) or moved down a tier; never for
+        a choice the core only weighed. The place for what should follow an
+        eviction, such as GDSF's clock. Optional: the core calls it only on
+        policies that define it.
+        """
+
     def victims(self, shortfall: Mapping[str, int]) -> list[PolicyEntry]:
         """Return idle entries whose release covers ``shortfall`` (space -> bytes).
 
         Subclasses must write it; may return too few (the core then waits).
+        It must change nothing the policy ranks by: the core may ask without
+        evicting (``evicted`` tells it when it does).
         """
         raise NotImplementedError(f"{type(self).__name__} must define victims()")

@@ -13,7 +13,7 @@ import itertools
 import math
 import operator
 from collections import Counter
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import closing
 from typing import Any, ClassVar
 
@@ -145,9 +145,10 @@ class GDSF(_Ranked):
     priority = clock + frequency x reload cost / size, where frequency counts
     the requests since the entry was loaded, reload cost is ``entry.cost`` and
     size is the entry's size in the space that is short. The lowest priority
-    goes first, and the clock rises to the priority of each victim, so entries
-    not requested for a long time age out. With equal costs and sizes it
-    orders like LFU with aging.
+    goes first, and the clock rises to the priority of each victim as it is
+    evicted (``evicted``; ``victims`` only chooses, so a choice the core
+    weighs but does not act on ages nobody), so entries not requested for a
+    long time age out. With equal costs and sizes it orders like LFU with aging.
     """
 
     def __init__(self) -> None:
@@ -172,13 +173,24 @@ class GDSF(_Ranked):
         super().remove(entry)
 
     def victims(self, shortfall: Mapping[str, int]) -> list[PolicyEntry]:
-        """The lowest-priority idle entries until covered; the clock rises to the highest."""
+        """The lowest-priority idle entries until covered (the clock stays: ``evicted``)."""
         with closing(self._lowest(shortfall)) as lowest:
-            ranked = {entry: rank for rank, entry in _take_covering(lowest, shortfall)}
-        chosen = cover(iter(ranked), shortfall)
-        if chosen:
-            self.clock = max(self.clock, max(ranked[entry] for entry in chosen))
-        return chosen
+            ranked = [entry for _, entry in _take_covering(lowest, shortfall)]
+        return cover(iter(ranked), shortfall)
+
+    def evicted(self, victims: Sequence[PolicyEntry], shortfall: Mapping[str, int]) -> None:
+        """The clock rises to the highest priority among the evicted ``victims``.
+
+        Each victim's priority is the one ``victims(shortfall)`` ranked it by:
+        its lowest over the short spaces it is charged in.
+        """
+        short = [space for space, need in shortfall.items() if need > 0]
+        for entry in victims:
+            if entry not in self._base:
+                continue  # (not one of its entries: nothing ranked it)
+            ranks = [self._rank(entry, entry.charge[s]) for s in short if s in entry.charge]
+            if ranks:
+                self.clock = max(self.clock, min(ranks))
 
 
 class CostAware(_Ranked):
@@ -401,7 +413,12 @@ class CostAware(_Ranked):
         return rate * max(entry.cost, 1e-6)
 
     def victims(self, shortfall: Mapping[str, int]) -> list[PolicyEntry]:
-        """The cheapest cover of ``shortfall`` among the lowest-ranked idle entries."""
+        """The cheapest cover of ``shortfall`` among the lowest-ranked idle entries.
+
+        The estimates first catch up with the requests logged since the last
+        update (``touch``): what was requested, whatever is asked, so a search
+        repeated with no request between changes nothing.
+        """
         self._update()
         if len(self._version) <= self.candidates:
             # Every resident entry fits in the pool: skip the walk of the heaps.
