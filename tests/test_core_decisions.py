@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cachebroker import DeadlockError
 from cachebroker._core import Entry, Reason, State, Ticket
 from tests.harness import Harness
 
@@ -152,6 +153,27 @@ def test_room_being_freed_is_taken_before_anything_more_is_evicted() -> None:
     h.core.check()
 
 
+def test_room_that_an_earlier_promise_takes_is_not_counted_for_a_placed_request() -> None:
+    """gpu0's 50 B being released are promised, 30 of them to an earlier request:
+    a placed request of 40 does not count on them, and evicts in gpu1."""
+    h = gpus()
+    going = idle(h, "going", {"gpu0": 50})
+    held = load(h, "held", {"gpu0": 50}, task="x")
+    h.core.invalidate(h.owner, "going")
+    h.drain()
+    earlier = h.core.request(h.owner, "earlier", {"gpu0": 30}, "u")
+    h.drain()
+    assert earlier.entry.state is State.WAITING
+    idle(h, "other", {"gpu1": 100}, cost=1.0)
+    ticket = place(h, "p", 40, task="v")
+    assert ticket.entry.need == {"gpu1": 40} and releases(h) == ["going", "other"]
+    h.ack(going)
+    h.ack(h.owner.entries["other"])
+    assert earlier.entry.state is State.LOADING and ticket.entry.state is State.LOADING
+    h.end(held)
+    h.core.check()
+
+
 # ------------------------------------------------------------ the grants of one pass
 
 
@@ -276,6 +298,22 @@ def test_a_request_of_a_higher_priority_drains_entries_of_lower_ones() -> None:
     h.core.check()
 
 
+def test_draining_leaves_entries_with_no_lease_alone() -> None:
+    """A loading entry is busy but has no lease to end: it is not drained."""
+    h = Harness({"m": 100})
+    h.core.fair_requests = 3
+    loading = h.core.request(h.owner, "loading", {"m": 10}, "l")  # requested first
+    h.drain()
+    held = {key: load(h, key, {"m": 30}, task=f"task-{key}") for key in "abc"}
+    waiter = h.core.request(h.owner, "w", {"m": 50}, "u")
+    h.drain()
+    serve_requests(h, 3)
+    assert draining(h) == {"a", "b"}
+    assert loading.entry.state is State.LOADING and waiter.entry.state is State.WAITING
+    assert held["c"].entry.doomed is None
+    h.core.check()
+
+
 def test_draining_counts_what_is_already_coming() -> None:
     """An idle entry and one already draining cover part of the shortfall: only
     what is still missing is drained."""
@@ -335,4 +373,24 @@ def test_a_waiter_of_a_merged_space_waits_in_the_one_memory() -> None:
     h.ack(leased.entry)
     assert waiter.entry.state is State.LOADING
     assert h.released == [("leased", Reason.CAPACITY)]
+    h.core.check()
+
+
+# ----------------------------------------------------------------------- refusal
+
+
+def test_a_holders_request_left_to_its_own_leases_by_a_failed_release_is_refused() -> None:
+    """t holds 50 B and asks for 50 more: the idle 50 B are evicted for it; their
+    release fails, so only t's own lease could make room: t's request is refused
+    (a wait on itself), where before it waited for the release."""
+    h = Harness({"m": 100})
+    mine = load(h, "mine", {"m": 50}, task="t")
+    other = idle(h, "other", {"m": 50})
+    ticket = h.core.request(h.owner, "more", {"m": 50}, "t")
+    h.drain()
+    assert ticket.outcome is None and releases(h) == ["other"]
+    h.refuse(other)
+    assert isinstance(ticket.outcome, DeadlockError)
+    assert "more" not in h.owner.entries or h.owner.entries["more"].state is State.GONE
+    h.end(mine)
     h.core.check()

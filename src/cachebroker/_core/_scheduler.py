@@ -94,7 +94,6 @@ def schedule(books: Core) -> None:
         shortfall: dict[str, int] | None = None  # short of ``avail``, per space
         coverable = True  # idle entries could cover every shortfall
         grantable = entry.after is None  # fits the free bytes; nobody earlier unfinished
-        opens = False  # one of its spaces has no unfinished waiter yet
         for name, amount in need.items():
             space = spaces[name]
             if amount > space.attainable:
@@ -113,7 +112,6 @@ def schedule(books: Core) -> None:
             if name in unfinished:
                 grantable = False
             else:
-                opens = True
                 # All that this pass promised here was granted (and is not in
                 # ``used`` yet): it must fit beside that.
                 if space.used + taken + amount > space.capacity:
@@ -149,8 +147,7 @@ def schedule(books: Core) -> None:
             grants.append(entry)
             continue
         else:  # promised, to be granted in a later pass
-            if opens:
-                unfinished.update(need)
+            unfinished.update(need)
             continue
         for name, amount in need.items():  # Refused, held back, aside or not covered: not promised.
             promised[name] -= amount
