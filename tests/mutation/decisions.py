@@ -5,7 +5,8 @@ inside the functions that choose victims (``victims`` and what it calls to
 cover a shortfall), since the rest of a policy keeps its order, which the
 policies' own tests check. Operators that swap an arithmetic operator for a
 bitwise one (``a - b`` to ``a ^ b``) or a power are left out too: on byte
-counts they fail at once or mean nothing, and would only pad the score.
+counts they fail at once or mean nothing, and would only pad the score; so
+is "``*`` to ``/``" on a signature's bare ``*``, which changes nothing.
 
     python tests/mutation/decisions.py skip SESSION.sqlite    # after ``cosmic-ray init``
     python tests/mutation/decisions.py score SESSION.sqlite   # after ``cosmic-ray exec``
@@ -40,18 +41,35 @@ PADDING = re.compile(
 
 
 @cache
+def tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def in_arithmetic(path: Path, line: int, column: int) -> bool:
+    """Whether ``(line, column)`` lies in an arithmetic expression, not on the bare
+    ``*`` of a signature (which cosmic-ray mutates as if it multiplied)."""
+    return any(
+        isinstance(node, ast.BinOp)
+        and (node.lineno, node.col_offset) <= (line, column)
+        and (line, column) <= (node.end_lineno or node.lineno, node.end_col_offset or 0)
+        for node in ast.walk(tree(path))
+    )
+
+
+@cache
 def spans(path: Path) -> list[tuple[int, int]]:
     """The line spans of the victim-choosing functions of ``path``."""
-    tree = ast.parse(path.read_text())
     return [
         (node.lineno, node.end_lineno or node.lineno)
-        for node in ast.walk(tree)
+        for node in ast.walk(tree(path))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in VICTIM_CHOICE
     ]
 
 
-def kept(module: Path, operator: str, line: int) -> bool:
+def kept(module: Path, operator: str, line: int, column: int) -> bool:
     if PADDING.search(operator):
+        return False
+    if "ReplaceBinaryOperator_" in operator and not in_arithmetic(module, line, column):
         return False
     if "_policies" not in module.parts:
         return True
@@ -67,9 +85,7 @@ def skip(session: str) -> int:
     skipped = 0
     with use_db(session, WorkDB.Mode.open) as db:
         for item in db.pending_work_items:
-            if not all(
-                kept(m.module_path, m.operator_name, m.start_pos[0]) for m in item.mutations
-            ):
+            if not all(kept(m.module_path, m.operator_name, *m.start_pos) for m in item.mutations):
                 db.set_result(
                     item.job_id,
                     WorkResult(
