@@ -1183,18 +1183,27 @@ class Core:
         measured: dict[str, int] | None,
         seconds: float,
         now: float,
-    ) -> None:
+    ) -> bool:
         """The owner moved ``entry``'s value to ``entry.target`` (``_moves``).
 
         The bytes it left come back; it is charged where it went (as
         ``measured``, if given). Promoted, it is ready and its requesters
         get leases; demoted, it is an eviction candidate in the lower tier,
         or, when requests joined the move, queued at once to come back up.
+        A demotion that lands in every space of its home (its tier is one
+        memory with the space above it now, or ``measured`` says so) is no
+        demotion: the entry is ready there. One measured still in a space it
+        was to free made no room: it is released (once the leases of its
+        joined requesters end), or the scheduler would move it down again and
+        again while its waiter waits; that is what the return value says.
         Ignored for an entry no longer moving (``drop_owner`` took it already).
         """
         if entry.state is not State.MOVING or entry in self._demoting:
-            return
-        for name, amount in _moves.freed(entry).items():
+            return False
+        going = _moves.freed(entry)
+        planned = entry.target or {}
+        stayed = False
+        for name, amount in going.items():
             space = self.spaces[name]
             space.used -= amount
             space.releasing -= amount
@@ -1219,11 +1228,22 @@ class Core:
             entry.state = State.READY
             self.promotions += 1
         else:
-            if entry.home is None:
-                entry.home = before
-            entry.cost = _moves.parked_cost(entry)
-            entry.state = State.DEMOTED
-            self.demotions += 1
+            home = before if entry.home is None else entry.home
+            if _moves.left_home(home, entry.charge):
+                entry.home = home
+                entry.cost = _moves.parked_cost(entry)
+                entry.state = State.DEMOTED
+                self.demotions += 1
+            else:  # (home: a move within one memory, or measured where it was)
+                entry.home = None
+                entry.cost = entry.reload
+                entry.state = State.READY
+            if stayed := _moves.stayed(going, planned, entry.charge):
+                entry.doomed = entry.doomed or Reason.CAPACITY
+                if entry.joiners:  # (they get it; new requests load afresh)
+                    self._detach(entry)
+            # (idle since its last lease ended, not since it moved)
+            now = entry.idle_since
         if self._admit is not None:
             self._admit(entry)
         if entry.state is State.READY:
@@ -1234,10 +1254,11 @@ class Core:
                 self._rest(entry, now)
         elif entry.joiners:
             _moves.queue_promotion(self, entry, entry.home)
-        else:  # idle since its last lease ended, not since it moved
-            self._rest(entry, entry.idle_since)
+        else:
+            self._rest(entry, now)
         _reach.sync(entry)
         schedule(self)
+        return stayed
 
     def move_failed(self, entry: Entry, error: BaseException) -> None:
         """The move raised or timed out: quarantined, charged where it was and where it went.

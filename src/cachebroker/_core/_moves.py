@@ -45,11 +45,13 @@ __all__ = [
     "freed",
     "give_up",
     "grant_demotions",
+    "left_home",
     "owner_space",
     "parked_cost",
     "queue_promotion",
     "reserved",
     "start_promotion",
+    "stayed",
 ]
 
 
@@ -321,3 +323,20 @@ def start_promotion(books: Core, entry: Entry) -> None:
     for name, amount in freed(entry).items():
         books.spaces[name].releasing += amount
     books.effects.append(StartMove(entry, owner_space(books, entry, destination(entry))))
+
+
+# A demoted entry's home and where it is parked are kept apart: a charge in its
+# home's spaces means the value is there (no move back).
+
+
+def left_home(home: Mapping[str, int], charge: Mapping[str, int]) -> bool:
+    """Whether a value charged ``charge`` is out of ``home``: one of the spaces it was
+    loaded in holds none of it. Otherwise it is home (a tier merged into one memory
+    with the space above it, or a move measured where it started): no promotion."""
+    return any(name not in charge for name in home)
+
+
+def stayed(going: Mapping[str, int], target: Mapping[str, int], charge: Mapping[str, int]) -> bool:
+    """Whether a demotion that was to free ``going`` is still charged there (``charge``,
+    as measured, holds more than ``target`` in one of them): it made no room."""
+    return any(charge.get(name, 0) > target.get(name, 0) for name in going)

@@ -1,0 +1,177 @@
+"""Tiers where an entry's home and the space it is parked in meet.
+
+A demoted entry is never charged in every space of its home: it would ask
+for its own bytes again beside themselves. A size callable (``measure=``)
+that still finds a moved value in the space it left made the broker move it
+down again and again while the waiter waited. The books driven directly,
+then the shell on every backend; every hang is bounded by steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Hashable, MutableMapping
+from typing import Any
+
+import anyio
+import pytest
+
+from cachebroker import Broker
+from cachebroker._core import Reason, State, Ticket
+from tests.harness import Harness
+
+STEPS = 2_000
+
+
+def tiered(budget: dict[str, int] | None = None) -> Harness:
+    return Harness(budget or {"gpu": 100, "ram": 100}, tiers={"gpu": "ram"}, moves=True)
+
+
+def idle(h: Harness, key: str, need: dict[str, int], **options: Any) -> None:
+    """Load ``key`` and end its lease: an idle entry."""
+    ticket = h.core.request(h.owner, key, need, "t", **options)
+    h.drain()
+    h.finish(ticket.entry)
+    h.end(ticket)
+
+
+def settle(h: Harness, ticket: Ticket, measured: dict[str, int] | None = None) -> None:
+    """Finish the moves, loads and releases ``ticket`` waits on, a bounded number of times."""
+    for _ in range(20):
+        if ticket.outcome is not None:
+            return
+        if h.moving:
+            h.move(h.moving[0][0], measured=measured)
+        elif h.releasing:
+            h.ack(h.releasing[0])
+        elif ticket.entry in h.loading:
+            h.finish(ticket.entry)
+        else:
+            return
+
+
+# -- a move measured where it started ----------------------------------------------
+
+
+def test_a_demotion_measured_in_the_space_it_left_is_released_not_moved_again() -> None:
+    h = tiered()
+    idle(h, "a", {"gpu": 60})
+    b = h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    settle(h, b, measured={"gpu": 60})  # the plugin's measure: still on the gpu
+    assert h.moved == [("a", "ram")]  # moved once, not again and again
+    assert h.released == [("a", Reason.CAPACITY)]
+    assert a.state is State.GONE and b.outcome is True
+    assert b.entry.charge == {"gpu": 60} and h.used("gpu") == 60 and h.used("ram") == 0
+    h.core.check()
+
+
+def test_a_demotion_measured_partly_where_it_was_made_no_room_and_is_released() -> None:
+    h = tiered()
+    idle(h, "a", {"gpu": 60})
+    b = h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    h.move(a, measured={"gpu": 30, "ram": 30})
+    assert a.state is State.RELEASING and a.home is None and h.moving == []
+    h.core.check()
+    h.ack(a)
+    assert b.entry.state is State.LOADING
+    h.core.check()
+
+
+def test_requests_joined_to_a_move_that_stayed_get_the_value_then_it_is_released() -> None:
+    h = tiered()
+    idle(h, "a", {"gpu": 60})
+    b = h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    joined = h.acquire("a", {"gpu": 60}, task="u")
+    h.move(a, measured={"gpu": 60})
+    assert joined.outcome is True and a.state is State.READY and a.home is None
+    assert h.owner.entries.get("a") is not a  # new acquires load afresh
+    h.core.check()
+    h.end(joined)
+    assert h.released == [("a", Reason.CAPACITY)] and h.moved == [("a", "ram")]
+    h.ack(a)
+    assert b.entry.state is State.LOADING
+    h.core.check()
+
+
+# -- the shell ---------------------------------------------------------------------
+
+
+class Plugin:
+    """Values are strings that say where they are; moves and releases are recorded.
+    A move after ``most`` of them raises: a livelock ends in a failure, not a hang."""
+
+    def __init__(self, most: int = 5) -> None:
+        self.moves: list[tuple[Hashable, str]] = []
+        self.released: list[Hashable] = []
+        self.most = most
+
+    async def release(self, key: Hashable, value: Any) -> None:
+        self.released.append(key)
+
+    async def move(self, key: Hashable, value: Any, to: str) -> Any:
+        await anyio.lowlevel.checkpoint()
+        if len(self.moves) >= self.most:
+            raise RuntimeError(f"moved {key!r} {len(self.moves)} times")
+        self.moves.append((key, to))
+        return f"{key}@{to}"
+
+
+def loader(key: str, where: str = "gpu") -> Callable[..., Awaitable[str]]:
+    """A loader whose value says where it went (the space it is told, if placed)."""
+
+    async def load(*placed: str) -> str:
+        await anyio.lowlevel.checkpoint()
+        return f"{key}@{placed[0] if placed else where}"
+
+    return load
+
+
+async def within_steps(run: Callable[[], Awaitable[Any]]) -> Any:
+    """What ``run()`` returns or raises, if it ends within ``STEPS`` checkpoints of this
+    task; else the test fails (the run is cancelled)."""
+    outcome: list[Any] = []
+
+    async def call() -> None:
+        try:
+            outcome.append(await run())
+        except Exception as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call)
+        for _ in range(STEPS):
+            if outcome:
+                break
+            await anyio.lowlevel.checkpoint()
+        tg.cancel_scope.cancel()
+    assert outcome, f"still waiting after {STEPS} steps"
+    return outcome[0]
+
+
+@pytest.mark.anyio
+async def test_a_move_whose_measure_finds_it_where_it_was_releases_it_for_the_waiter(
+    events: list[MutableMapping[str, Any]],
+) -> None:
+    plugin = Plugin()
+    async with (
+        Broker({"gpu": 100, "ram": 100}, tiers={"gpu": "ram"}) as broker,
+        broker.cache("m", plugin) as cache,
+    ):
+        where = {"gpu": 60}  # the measure always finds the value on the gpu
+        async with cache.acquire("a", load=loader("a"), size=where, measure=lambda v: where):
+            pass
+
+        async def use_b() -> str:
+            async with cache.acquire("b", load=loader("b"), size={"gpu": 60}) as lease:
+                return str(lease.value)
+
+        assert await within_steps(use_b) == "b@gpu"
+        assert plugin.moves == [("a", "ram")] and plugin.released == ["a"]
+        stats = await broker.stats()
+        assert stats.demotions == 0 and stats.used == {"gpu": 60, "ram": 0}
+    stayed = [e for e in events if e["event"] == "cachebroker.move.stayed"]
+    assert [(e["log_level"], e["key"], e["to"], e["bytes"]) for e in stayed] == [
+        ("warning", "a", "ram", {"gpu": 60})
+    ]
