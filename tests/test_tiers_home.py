@@ -1,10 +1,13 @@
 """Tiers where an entry's home and the space it is parked in meet.
 
-A demoted entry is never charged in every space of its home: it would ask
-for its own bytes again beside themselves. A size callable (``measure=``)
-that still finds a moved value in the space it left made the broker move it
-down again and again while the waiter waited. The books driven directly,
-then the shell on every backend; every hang is bounded by steps.
+A demoted entry is never charged in every space of its home, and a promotion
+never asks for the bytes it holds already: either would have it ask for its
+own bytes again beside themselves, and wait for ever. Two ways they met: a
+size callable (``measure=``) that still finds a moved value in the space it
+left (the broker moved it down again and again while the waiter waited), and
+a learned alias that makes a space and its lower tier one memory (the
+promotion of a value demoted there waited for ever). The books driven
+directly, then the shell on every backend; every hang is bounded by steps.
 """
 
 from __future__ import annotations
@@ -95,6 +98,87 @@ def test_requests_joined_to_a_move_that_stayed_get_the_value_then_it_is_released
     h.core.check()
 
 
+# -- a tier merged into one memory with the space above it -------------------------
+
+
+def demoted(h: Harness, upper: str = "gpu") -> Any:
+    """``a`` parked a tier down (for ``b``, now idle in ``upper``): the demoted entry."""
+    idle(h, "a", {upper: 60})
+    b = h.acquire("b", {upper: 60})
+    a = h.owner.entries["a"]
+    h.move(a)
+    h.finish(b.entry)
+    h.end(b)
+    assert a.state is State.DEMOTED
+    return a
+
+
+@pytest.mark.parametrize(("keep", "other"), [("gpu", "ram"), ("ram", "gpu")])
+def test_a_value_demoted_into_a_tier_merged_with_its_home_is_home_again(
+    keep: str, other: str
+) -> None:
+    h = tiered({"gpu": 100, "ram": 150})
+    a = demoted(h)
+    h.core.merge_spaces(keep, other)
+    h.drain()
+    assert a.state is State.READY and a.home is None and a.idle
+    h.core.check()
+    ticket = h.acquire("a", {"gpu": 60}, task="u")
+    assert ticket.outcome is True and h.moved == [("a", "ram")]  # a hit: no move, no load
+    assert h.used(h.core.canon.get("gpu", "gpu")) == 120
+    h.core.check()
+
+
+def test_a_promotion_queued_when_its_tier_merges_with_its_home_is_granted_at_once() -> None:
+    h = tiered()
+    a = demoted(h)
+    held = h.acquire("b", {"gpu": 60}, task="v")  # the gpu's room: leased
+    ticket = h.acquire("a", {"gpu": 60}, task="u")
+    assert ticket.outcome is None and a in h.core.queue
+    h.core.merge_spaces("gpu", "ram")
+    h.drain()
+    assert ticket.outcome is True and a.state is State.READY and a not in h.core.queue
+    assert h.moved == [("a", "ram")]
+    h.core.check()
+    h.end(ticket)
+    h.end(held)
+    h.core.check()
+
+
+def test_a_demotion_waiting_for_room_in_a_tier_merged_with_its_space_is_no_move() -> None:
+    h = tiered({"gpu": 100, "ram": 130})
+    idle(h, "x", {"ram": 100})
+    idle(h, "a", {"gpu": 60})
+    b = h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    assert a in h.core._demoting and h.releasing == [h.owner.entries["x"]]
+    h.core.merge_spaces("gpu", "ram")
+    h.drain()
+    assert a.state is State.READY and a.idle and h.moving == []
+    h.core.check()
+    settle(h, b)
+    assert b.outcome is True and h.moved == []
+    h.core.check()
+
+
+def test_a_promotion_asks_only_for_what_it_does_not_hold_already() -> None:
+    """Its charge in a space it is not moved out of stays: asked for again, the
+    promotion would wait for ever for room beside itself."""
+    h = tiered({"gpu": 100, "cpu": 15, "ram": 100})
+    idle(h, "a", {"gpu": 60, "cpu": 10})
+    b = h.acquire("b", {"gpu": 60})
+    a = h.owner.entries["a"]
+    h.move(a)
+    h.finish(b.entry)
+    h.end(b)
+    assert a.state is State.DEMOTED and a.charge == {"cpu": 10, "ram": 60}
+    ticket = h.acquire("a", {"gpu": 60, "cpu": 10}, task="u")
+    settle(h, ticket)
+    assert ticket.outcome is True and a.charge == {"gpu": 60, "cpu": 10}
+    assert h.used("cpu") == 10
+    h.core.check()
+
+
 # -- the shell ---------------------------------------------------------------------
 
 
@@ -175,3 +259,43 @@ async def test_a_move_whose_measure_finds_it_where_it_was_releases_it_for_the_wa
     assert [(e["log_level"], e["key"], e["to"], e["bytes"]) for e in stayed] == [
         ("warning", "a", "ram", {"gpu": 60})
     ]
+
+
+@pytest.mark.anyio
+async def test_a_value_demoted_into_a_space_learned_to_be_its_home_comes_back_as_a_hit() -> None:
+    plugin = Plugin()
+    other: list[Hashable] = []
+
+    async def release_other(key: Hashable, value: Any) -> None:
+        other.append(key)
+
+    async def load_x() -> str:
+        # The device is full until y's memory (in "ram", the same memory) is freed.
+        await anyio.lowlevel.checkpoint()
+        if "y" not in other:
+            raise MemoryError("cannot allocate 30 bytes")
+        return "x@cuda:0"
+
+    async with (
+        Broker({"cuda:0": 100, "ram": 100}, tiers={"cuda:0": "ram"}, alias_threshold=1) as broker,
+        broker.cache("n", release_other) as n,
+        broker.cache("m", plugin) as m,
+    ):
+        async with n.acquire("y", load=loader("y", "ram"), size={"ram": 30}):
+            pass
+        for key in ("b", "c"):  # b goes down to ram for c
+            async with m.acquire(key, load=loader(key, "cuda:0"), size={"cuda:0": 60}):
+                pass
+        assert {i.key: i.state for i in await broker.entries()}["b"] == "demoted"
+        async with m.acquire("x", load=load_x, size={"cuda:0": 30}):
+            pass
+        stats = await broker.stats()
+        assert stats.aliases == (("cuda:0", "ram"),) and stats.used["cuda:0"] == 90
+
+        async def use_b() -> str:
+            async with m.acquire("b", load=loader("b"), size={"cuda:0": 60}) as lease:
+                return str(lease.value)
+
+        assert await within_steps(use_b) == "b@ram"  # home: no move, no load
+        assert plugin.moves == [("b", "ram")]
+        assert (await broker.stats()).loads == 4

@@ -599,16 +599,19 @@ class Core:
             if promote:
                 self._check_fit(owner, key, need)
             waiting = promote or entry.state is State.WAITING or entry in self.queue
+            taking = _moves.beyond(need, entry.charge)  # (a promotion keeps what stays put)
             # (A placed promotion, like a placed load, holds leases in any of its places.)
             spread = (
-                need if not promote or placed is None else dict.fromkeys(placed, sum(need.values()))
+                taking
+                if not promote or placed is None
+                else dict.fromkeys(placed, sum(need.values()))
             )
             mine = (
                 self._leased_by(task, spread, queued=len(self.queue) > (not promote), held=held)
                 if waiting
                 else []
             )
-            self._check_deadlock(owner, key, need, mine)
+            self._check_deadlock(owner, key, taking, mine)
             # A request that brings a value back up waits for it as for a load:
             # a miss (the first to join a move down counts it; later ones join).
             if (

@@ -39,8 +39,10 @@ if TYPE_CHECKING:
     from ._books import Core
 
 __all__ = [
+    "beyond",
     "cancel_demotion",
     "circle",
+    "come_home",
     "evict_one",
     "freed",
     "give_up",
@@ -326,7 +328,8 @@ def start_promotion(books: Core, entry: Entry) -> None:
 
 
 # A demoted entry's home and where it is parked are kept apart: a charge in its
-# home's spaces means the value is there (no move back).
+# home's spaces means the value is there (no move back), and a promotion placed
+# where it is parked would ask for its bytes again beside themselves.
 
 
 def left_home(home: Mapping[str, int], charge: Mapping[str, int]) -> bool:
@@ -340,3 +343,29 @@ def stayed(going: Mapping[str, int], target: Mapping[str, int], charge: Mapping[
     """Whether a demotion that was to free ``going`` is still charged there (``charge``,
     as measured, holds more than ``target`` in one of them): it made no room."""
     return any(charge.get(name, 0) > target.get(name, 0) for name in going)
+
+
+def come_home(books: Core, entry: Entry) -> None:
+    """A demoted entry is charged in every space of its home: ready there, no move back.
+
+    A promotion queued for it is taken out of the queue and its requesters
+    get leases (up to its slots).
+    """
+    entry.home = None
+    entry.cost = entry.reload
+    if entry in books.queue:
+        books._dequeue(entry)
+    entry.state = State.READY
+    if entry.joiners:
+        books._lease_joiners(entry)
+        if entry.leases:
+            books.busy[entry] = None
+    sync(entry)
+
+
+def beyond(need: dict[str, int], charge: Mapping[str, int]) -> dict[str, int]:
+    """What a grant of ``need`` takes beside ``charge``, what its entry holds already: a
+    promotion keeps the part of its charge that stays where it is (its other spaces)."""
+    if not charge:  # (a load: charged nothing until granted)
+        return need
+    return {name: n - charge.get(name, 0) for name, n in need.items() if n > charge.get(name, 0)}
