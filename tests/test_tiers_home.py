@@ -8,6 +8,8 @@ left (the broker moved it down again and again while the waiter waited), and
 a learned alias that makes a space and its lower tier one memory (the
 promotion of a value demoted there waited for ever). The books driven
 directly, then the shell on every backend; every hang is bounded by steps.
+Last, a refused request for a value whose move further down waits for room
+must leave it idle, not neither idle nor queued (holding its room for good).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import anyio
 import pytest
 
-from cachebroker import Broker
+from cachebroker import Broker, DeadlockError
 from cachebroker._core import Reason, State, Ticket
 from tests.harness import Harness
 
@@ -299,3 +301,31 @@ async def test_a_value_demoted_into_a_space_learned_to_be_its_home_comes_back_as
         assert await within_steps(use_b) == "b@ram"  # home: no move, no load
         assert plugin.moves == [("b", "ram")]
         assert (await broker.stats()).loads == 4
+
+
+# -- a refused request for an entry whose demotion waits for room --------------------
+
+
+def test_a_refused_request_for_a_value_waiting_to_move_further_down_leaves_it_idle() -> None:
+    """The request calls the demotion off before it is refused: the entry must idle
+    again (and be demoted anew), not stay neither idle nor queued, which held the
+    room the waiter it was evicted for waits for, for ever."""
+    h = Harness(
+        {"gpu": 100, "ram": 100, "disk": 100}, tiers={"gpu": "ram", "ram": "disk"}, moves=True
+    )
+    idle(h, "x", {"disk": 100})
+    idle(h, "a", {"gpu": 60})
+    b = h.acquire("b", {"gpu": 60}, task="T")
+    a = h.owner.entries["a"]
+    h.move(a)
+    h.finish(b.entry)
+    c = h.acquire("c", {"ram": 60}, task="U")  # a waits for room in disk (x is released)
+    assert a in h.core._demoting
+    with pytest.raises(DeadlockError, match="leased by the requesting task itself"):
+        h.core.request(h.owner, "a", {"gpu": 60}, "T")  # only T's own b could make room
+    h.drain()
+    h.core.check()
+    h.ack(h.owner.entries["x"])
+    settle(h, c)
+    assert c.outcome is True and a.state is State.DEMOTED and a.charge == {"disk": 60}
+    h.core.check()

@@ -584,34 +584,15 @@ class Core:
             entry.declared_cost = cost
             self._count_request(entry)
         else:
-            self._check_cycle(owner, key, entry, loading)
-            if entry.gated and (loading or self._holds_any(task)):
-                self._hurry(entry)
-            # A demoted entry is promoted back to where it was loaded, for its
-            # first requester; later ones join (as do requesters of a move).
-            # Placed, it may come back to any of the places its acquire asked
-            # for that this request could wait in.
-            promote = entry.state is State.DEMOTED and entry not in self.queue
-            need = entry.home if promote and entry.home is not None else entry.need
-            placed = entry.places
-            if promote and entry.asked_places is not None and len(need) == 1:
-                placed, need = self._placeable(owner, key, entry.asked_places, need, task, held)
-            if promote:
-                self._check_fit(owner, key, need)
-            waiting = promote or entry.state is State.WAITING or entry in self.queue
-            taking = _moves.beyond(need, entry.charge)  # (a promotion keeps what stays put)
-            # (A placed promotion, like a placed load, holds leases in any of its places.)
-            spread = (
-                taking
-                if not promote or placed is None
-                else dict.fromkeys(placed, sum(need.values()))
-            )
-            mine = (
-                self._leased_by(task, spread, queued=len(self.queue) > (not promote), held=held)
-                if waiting
-                else []
-            )
-            self._check_deadlock(owner, key, taking, mine)
+            try:
+                promote, need, placed, mine = self._check_join(
+                    owner, key, entry, task, loading, held
+                )
+            except Exception:
+                if kept:  # (refused: the demotion called off for it is decided anew)
+                    self._rest(entry, entry.idle_since)
+                    schedule(self)
+                raise
             # A request that brings a value back up waits for it as for a load:
             # a miss (the first to join a move down counts it; later ones join).
             if (
@@ -638,6 +619,47 @@ class Core:
                 self._holding_waiters += 1
         schedule(self)
         return ticket
+
+    def _check_join(
+        self,
+        owner: Owner,
+        key: Hashable,
+        entry: Entry,
+        task: object,
+        loading: tuple[Entry, ...],
+        held: tuple[Entry, ...] | None,
+    ) -> tuple[bool, dict[str, int], tuple[str, ...] | None, list[Entry]]:
+        """A request for an existing, unready ``entry``: whether it promotes the entry (a
+        demoted one, for its first requester), what it needs, the places it may wait in
+        and the entries its task leases in those spaces; raises what refuses it (see
+        ``request``)."""
+        self._check_cycle(owner, key, entry, loading)
+        if entry.gated and (loading or self._holds_any(task)):
+            self._hurry(entry)
+        # A demoted entry is promoted back to where it was loaded, for its
+        # first requester; later ones join (as do requesters of a move).
+        # Placed, it may come back to any of the places its acquire asked
+        # for that this request could wait in.
+        promote = entry.state is State.DEMOTED and entry not in self.queue
+        need = entry.home if promote and entry.home is not None else entry.need
+        placed = entry.places
+        if promote and entry.asked_places is not None and len(need) == 1:
+            placed, need = self._placeable(owner, key, entry.asked_places, need, task, held)
+        if promote:
+            self._check_fit(owner, key, need)
+        waiting = promote or entry.state is State.WAITING or entry in self.queue
+        taking = _moves.beyond(need, entry.charge)  # (a promotion keeps what stays put)
+        # (A placed promotion, like a placed load, holds leases in any of its places.)
+        spread = (
+            taking if not promote or placed is None else dict.fromkeys(placed, sum(need.values()))
+        )
+        mine = (
+            self._leased_by(task, spread, queued=len(self.queue) > (not promote), held=held)
+            if waiting
+            else []
+        )
+        self._check_deadlock(owner, key, taking, mine)
+        return promote, need, placed, mine
 
     def adopt(
         self,
