@@ -1,15 +1,17 @@
 """Tiers where an entry's home and the space it is parked in meet.
 
-A demoted entry is never charged in every space of its home, and a promotion
-never asks for the bytes it holds already: either would have it ask for its
-own bytes again beside themselves, and wait for ever. Two ways they met: a
-size callable (``measure=``) that still finds a moved value in the space it
-left (the broker moved it down again and again while the waiter waited), and
-a learned alias that makes a space and its lower tier one memory (the
-promotion of a value demoted there waited for ever). The books driven
-directly, then the shell on every backend; every hang is bounded by steps.
-Last, a refused request for a value whose move further down waits for room
-must leave it idle, not neither idle nor queued (holding its room for good).
+A demoted entry is never charged in every space of its home, and its
+promotion never goes to where it is parked: either would have it ask for its
+own bytes again beside themselves, and wait for ever. Three ways they met:
+a size callable (``measure=``) that still finds a moved value in the space it
+left (the broker moved it down again and again while the waiter waited), a
+learned alias that makes a space and its lower tier one memory (the
+promotion of a value demoted there waited for ever), and a placement over
+spaces that are tiers of each other (``ram`` kept as a place of the value
+parked there). The books driven directly, then the shell on every backend;
+every hang is bounded by steps. Last,
+a refused request for a value whose move further down waits for room must
+leave it idle, not neither idle nor queued (holding its room for good).
 """
 
 from __future__ import annotations
@@ -181,6 +183,50 @@ def test_a_promotion_asks_only_for_what_it_does_not_hold_already() -> None:
     h.core.check()
 
 
+# -- placement over spaces that are tiers of each other ----------------------------
+
+
+PLACES = ("cuda:0", "ram")
+
+
+def test_a_demoted_value_is_never_placed_back_where_it_is_parked() -> None:
+    h = Harness({"cuda:0": 100, "ram": 100}, tiers={"cuda:0": "ram"}, moves=True)
+    idle(h, "a", {"cuda:0": 60}, places=PLACES)
+    b = h.core.request(h.owner, "b", {"cuda:0": 60}, "u")
+    h.drain()
+    a = h.owner.entries["a"]
+    h.move(a)
+    h.finish(b.entry)
+    assert a.state is State.DEMOTED and a.charge == {"ram": 60}
+    # Only evicting its own lease could make room in the one place left: ram
+    # would count the value there twice.
+    with pytest.raises(DeadlockError, match="leased by the requesting task itself"):
+        h.core.request(h.owner, "a", {"cuda:0": 60}, "u", places=PLACES)
+    h.drain()
+    assert a.state is State.DEMOTED and a.idle and a not in h.core.queue
+    assert a.places == ("cuda:0",)
+    h.core.check()
+
+
+def test_a_demoted_value_placed_elsewhere_comes_back_up_there() -> None:
+    h = Harness(
+        {"cuda:0": 100, "cuda:1": 100, "ram": 100},
+        tiers={"cuda:0": "ram", "cuda:1": "ram"},
+        moves=True,
+    )
+    idle(h, "a", {"cuda:0": 60}, places=("cuda:0", "ram", "cuda:1"))
+    b = h.core.request(h.owner, "b", {"cuda:0": 60}, "u")
+    h.drain()
+    a = h.owner.entries["a"]
+    h.move(a)
+    h.finish(b.entry)
+    ticket = h.core.request(h.owner, "a", {"cuda:0": 60}, "u", places=PLACES)
+    h.drain()
+    settle(h, ticket)
+    assert ticket.outcome is True and a.charge == {"cuda:1": 60}  # (not ram: parked there)
+    h.core.check()
+
+
 # -- the shell ---------------------------------------------------------------------
 
 
@@ -301,6 +347,28 @@ async def test_a_value_demoted_into_a_space_learned_to_be_its_home_comes_back_as
         assert await within_steps(use_b) == "b@ram"  # home: no move, no load
         assert plugin.moves == [("b", "ram")]
         assert (await broker.stats()).loads == 4
+
+
+@pytest.mark.anyio
+async def test_a_lease_holder_acquiring_its_demoted_value_placed_over_tiers_is_a_deadlock() -> None:
+    plugin = Plugin()
+    async with (
+        Broker({"cuda:0": 100, "ram": 100}, tiers={"cuda:0": "ram"}) as broker,
+        broker.cache("m", plugin) as cache,
+    ):
+        places = ["cuda:0", "ram"]
+        async with cache.acquire("a", load=loader("a", "cuda:0"), size=60, spaces=places):
+            pass
+
+        async def hold_b_then_acquire_a() -> Any:
+            async with cache.acquire("b", load=loader("b", "cuda:0"), size={"cuda:0": 60}):
+                assert {i.key: i.state for i in await broker.entries()}["a"] == "demoted"
+                async with cache.acquire("a", load=loader("a"), size=60, spaces=places) as lease:
+                    return lease.value
+
+        error = await within_steps(hold_b_then_acquire_a)
+        assert isinstance(error, DeadlockError), error
+        assert "leased by the requesting task itself" in str(error)
 
 
 # -- a refused request for an entry whose demotion waits for room --------------------

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from .._errors import InvalidArgument
 from ._model import Entry, State
-from ._moves import cancel_demotion, circle, come_home, freed, left_home, reserved
+from ._moves import cancel_demotion, circle, come_home, freed, left_home, part, reserved
 from ._scheduler import schedule
 
 if TYPE_CHECKING:
@@ -208,12 +208,15 @@ def _at_home(books: Core, touched: list[Entry]) -> None:
     """Demoted entries whose tier merged into their home: ready there, no move back.
 
     Their home and their charge are one space now; a promotion would ask for
-    their bytes again beside themselves, and wait for ever.
+    their bytes again beside themselves, and wait for ever. The others keep
+    their places off the space they are parked in (``_moves.part``).
     """
     for entry in touched:
         if entry.state is State.DEMOTED:
             assert entry.home is not None
-            if not left_home(entry.home, entry.charge):
+            if left_home(entry.home, entry.charge):
+                part(entry)
+            else:
                 come_home(books, entry)
 
 

@@ -639,12 +639,13 @@ class Core:
         # A demoted entry is promoted back to where it was loaded, for its
         # first requester; later ones join (as do requesters of a move).
         # Placed, it may come back to any of the places its acquire asked
-        # for that this request could wait in.
+        # for that this request could wait in, but where it is parked.
         promote = entry.state is State.DEMOTED and entry not in self.queue
         need = entry.home if promote and entry.home is not None else entry.need
         placed = entry.places
-        if promote and entry.asked_places is not None and len(need) == 1:
-            placed, need = self._placeable(owner, key, entry.asked_places, need, task, held)
+        places = () if entry.asked_places is None else _moves.unparked(entry, entry.asked_places)
+        if promote and places and len(need) == 1:
+            placed, need = self._placeable(owner, key, places, need, task, held)
         if promote:
             self._check_fit(owner, key, need)
         waiting = promote or entry.state is State.WAITING or entry in self.queue
@@ -1256,6 +1257,7 @@ class Core:
             home = before if entry.home is None else entry.home
             if _moves.left_home(home, entry.charge):
                 entry.home = home
+                _moves.part(entry)
                 entry.cost = _moves.parked_cost(entry)
                 entry.state = State.DEMOTED
                 self.demotions += 1

@@ -50,10 +50,12 @@ __all__ = [
     "left_home",
     "owner_space",
     "parked_cost",
+    "part",
     "queue_promotion",
     "reserved",
     "start_promotion",
     "stayed",
+    "unparked",
 ]
 
 
@@ -343,6 +345,19 @@ def stayed(going: Mapping[str, int], target: Mapping[str, int], charge: Mapping[
     """Whether a demotion that was to free ``going`` is still charged there (``charge``,
     as measured, holds more than ``target`` in one of them): it made no room."""
     return any(charge.get(name, 0) > target.get(name, 0) for name in going)
+
+
+def unparked(entry: Entry, places: tuple[str, ...]) -> tuple[str, ...]:
+    """``places`` but the spaces a demoted ``entry`` is parked in: a promotion there would
+    be no move, and would ask for its bytes again beside themselves."""
+    return tuple(name for name in places if name not in entry.charge)
+
+
+def part(entry: Entry) -> None:
+    """Keep a demoted entry's places (``acquire(spaces=...)``) off the spaces it is parked
+    in (none left: ``None``, its home's)."""
+    if entry.places is not None:
+        entry.places = unparked(entry, entry.places) or None
 
 
 def come_home(books: Core, entry: Entry) -> None:
