@@ -9,7 +9,7 @@ learned alias that makes a space and its lower tier one memory (the
 promotion of a value demoted there waited for ever), and a placement over
 spaces that are tiers of each other (``ram`` kept as a place of the value
 parked there). The books driven directly, then the shell on every backend;
-every hang is bounded by steps. Last,
+every hang is bounded by steps. ``Core.check()`` refuses those states. Last,
 a refused request for a value whose move further down waits for room must
 leave it idle, not neither idle nor queued (holding its room for good).
 """
@@ -369,6 +369,30 @@ async def test_a_lease_holder_acquiring_its_demoted_value_placed_over_tiers_is_a
         error = await within_steps(hold_b_then_acquire_a)
         assert isinstance(error, DeadlockError), error
         assert "leased by the requesting task itself" in str(error)
+
+
+# -- what Core.check() holds ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("broken", ["home", "places", "promotion"])
+def test_check_refuses_a_demoted_entry_parked_in_its_home_or_asking_for_its_own_bytes(
+    broken: str,
+) -> None:
+    h = tiered()
+    a = demoted(h)
+    h.core.check()
+    if broken == "home":
+        a.home = dict(a.charge)
+    elif broken == "places":
+        a.places = a.asked_places = ("gpu", "ram")
+    else:
+        h.acquire("b", {"gpu": 60}, task="v")  # leased: the promotion waits
+        ticket = h.acquire("a", {"gpu": 60}, task="u")
+        assert ticket.outcome is None and a in h.core.queue
+        h.core.check()
+        a.need = dict(a.charge)
+    with pytest.raises(AssertionError):
+        h.core.check()
 
 
 # -- a refused request for an entry whose demotion waits for room --------------------
