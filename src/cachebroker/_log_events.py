@@ -25,6 +25,7 @@ RELEASE_REQUESTED: Final = "cachebroker.release.requested"
 MOVE_START: Final = "cachebroker.move.start"
 MOVE_DONE: Final = "cachebroker.move.done"
 MOVE_FAILED: Final = "cachebroker.move.failed"
+MOVE_STAYED: Final = "cachebroker.move.stayed"
 RELEASE_FREED: Final = "cachebroker.release.freed"
 RELEASE_FAILED: Final = "cachebroker.release.failed"
 QUARANTINE_FORGOTTEN: Final = "cachebroker.quarantine.forgotten"
@@ -64,6 +65,7 @@ ALL: Final = (
     MOVE_START,
     MOVE_DONE,
     MOVE_FAILED,
+    MOVE_STAYED,
     RELEASE_FREED,
     RELEASE_FAILED,
     QUARANTINE_FORGOTTEN,

@@ -50,7 +50,11 @@ Invariants kept after every step:
   could let that one in (it waits aside: ``_reach``);
 * per space, ``pinned`` and ``ranked`` are the bytes of ready, undoomed
   entries, pinned and by priority; ``overdue`` is the part of
-  ``quarantined`` whose release still runs.
+  ``quarantined`` whose release still runs;
+* a demoted entry is never charged in every space of its home (it would be
+  home: no move back), its places never include a space it is parked in,
+  and a demotion waiting for room frees bytes somewhere: no entry asks for
+  its own bytes again beside themselves.
 """
 
 from ._books import Core

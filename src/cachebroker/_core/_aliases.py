@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from .._errors import InvalidArgument
 from ._model import Entry, State
-from ._moves import circle, freed, reserved
+from ._moves import cancel_demotion, circle, come_home, freed, left_home, part, reserved
 from ._scheduler import schedule
 
 if TYPE_CHECKING:
@@ -194,12 +194,42 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
     if kept.used > kept.capacity:
         books._overdrawn.add(keep)
     _move_books(books, moving, +1)
+    _at_home(books, touched)
     if books._admit is not None:
         for entry in admitted:
             books._admit(entry)
     for entry in idle:
         books.policy.idle(entry)
+    _no_move(books, [e for e in moving if e in books._demoting])
     schedule(books)
+
+
+def _at_home(books: Core, touched: list[Entry]) -> None:
+    """Demoted entries whose tier merged into their home: ready there, no move back.
+
+    Their home and their charge are one space now; a promotion would ask for
+    their bytes again beside themselves, and wait for ever. The others keep
+    their places off the space they are parked in (``_moves.part``).
+    """
+    for entry in touched:
+        if entry.state is State.DEMOTED:
+            assert entry.home is not None
+            if left_home(entry.home, entry.charge):
+                part(entry)
+            else:
+                come_home(books, entry)
+
+
+def _no_move(books: Core, demoting: list[Entry]) -> None:
+    """Demotions still waiting for room whose lower tier is their own space now: no
+    move. Each stays where it is, idle (or, its promotion queued, demoted)."""
+    for entry in demoting:
+        if freed(entry):
+            continue
+        cancel_demotion(books, entry)
+        if entry.state is State.DEMOTED and not left_home(entry.home or {}, entry.charge):
+            come_home(books, entry)
+        books._rest(entry, entry.idle_since)
 
 
 def _move_books(books: Core, moving: list[Entry], sign: int) -> None:

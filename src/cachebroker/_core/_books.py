@@ -584,31 +584,15 @@ class Core:
             entry.declared_cost = cost
             self._count_request(entry)
         else:
-            self._check_cycle(owner, key, entry, loading)
-            if entry.gated and (loading or self._holds_any(task)):
-                self._hurry(entry)
-            # A demoted entry is promoted back to where it was loaded, for its
-            # first requester; later ones join (as do requesters of a move).
-            # Placed, it may come back to any of the places its acquire asked
-            # for that this request could wait in.
-            promote = entry.state is State.DEMOTED and entry not in self.queue
-            need = entry.home if promote and entry.home is not None else entry.need
-            placed = entry.places
-            if promote and entry.asked_places is not None and len(need) == 1:
-                placed, need = self._placeable(owner, key, entry.asked_places, need, task, held)
-            if promote:
-                self._check_fit(owner, key, need)
-            waiting = promote or entry.state is State.WAITING or entry in self.queue
-            # (A placed promotion, like a placed load, holds leases in any of its places.)
-            spread = (
-                need if not promote or placed is None else dict.fromkeys(placed, sum(need.values()))
-            )
-            mine = (
-                self._leased_by(task, spread, queued=len(self.queue) > (not promote), held=held)
-                if waiting
-                else []
-            )
-            self._check_deadlock(owner, key, need, mine)
+            try:
+                promote, need, placed, mine = self._check_join(
+                    owner, key, entry, task, loading, held
+                )
+            except Exception:
+                if kept:  # (refused: the demotion called off for it is decided anew)
+                    self._rest(entry, entry.idle_since)
+                    schedule(self)
+                raise
             # A request that brings a value back up waits for it as for a load:
             # a miss (the first to join a move down counts it; later ones join).
             if (
@@ -635,6 +619,48 @@ class Core:
                 self._holding_waiters += 1
         schedule(self)
         return ticket
+
+    def _check_join(
+        self,
+        owner: Owner,
+        key: Hashable,
+        entry: Entry,
+        task: object,
+        loading: tuple[Entry, ...],
+        held: tuple[Entry, ...] | None,
+    ) -> tuple[bool, dict[str, int], tuple[str, ...] | None, list[Entry]]:
+        """A request for an existing, unready ``entry``: whether it promotes the entry (a
+        demoted one, for its first requester), what it needs, the places it may wait in
+        and the entries its task leases in those spaces; raises what refuses it (see
+        ``request``)."""
+        self._check_cycle(owner, key, entry, loading)
+        if entry.gated and (loading or self._holds_any(task)):
+            self._hurry(entry)
+        # A demoted entry is promoted back to where it was loaded, for its
+        # first requester; later ones join (as do requesters of a move).
+        # Placed, it may come back to any of the places its acquire asked
+        # for that this request could wait in, but where it is parked.
+        promote = entry.state is State.DEMOTED and entry not in self.queue
+        need = entry.home if promote and entry.home is not None else entry.need
+        placed = entry.places
+        places = () if entry.asked_places is None else _moves.unparked(entry, entry.asked_places)
+        if promote and places and len(need) == 1:
+            placed, need = self._placeable(owner, key, places, need, task, held)
+        if promote:
+            self._check_fit(owner, key, need)
+        waiting = promote or entry.state is State.WAITING or entry in self.queue
+        taking = _moves.beyond(need, entry.charge)  # (a promotion keeps what stays put)
+        # (A placed promotion, like a placed load, holds leases in any of its places.)
+        spread = (
+            taking if not promote or placed is None else dict.fromkeys(placed, sum(need.values()))
+        )
+        mine = (
+            self._leased_by(task, spread, queued=len(self.queue) > (not promote), held=held)
+            if waiting
+            else []
+        )
+        self._check_deadlock(owner, key, taking, mine)
+        return promote, need, placed, mine
 
     def adopt(
         self,
@@ -1183,18 +1209,27 @@ class Core:
         measured: dict[str, int] | None,
         seconds: float,
         now: float,
-    ) -> None:
+    ) -> bool:
         """The owner moved ``entry``'s value to ``entry.target`` (``_moves``).
 
         The bytes it left come back; it is charged where it went (as
         ``measured``, if given). Promoted, it is ready and its requesters
         get leases; demoted, it is an eviction candidate in the lower tier,
         or, when requests joined the move, queued at once to come back up.
+        A demotion that lands in every space of its home (its tier is one
+        memory with the space above it now, or ``measured`` says so) is no
+        demotion: the entry is ready there. One measured still in a space it
+        was to free made no room: it is released (once the leases of its
+        joined requesters end), or the scheduler would move it down again and
+        again while its waiter waits; that is what the return value says.
         Ignored for an entry no longer moving (``drop_owner`` took it already).
         """
         if entry.state is not State.MOVING or entry in self._demoting:
-            return
-        for name, amount in _moves.freed(entry).items():
+            return False
+        going = _moves.freed(entry)
+        planned = entry.target or {}
+        stayed = False
+        for name, amount in going.items():
             space = self.spaces[name]
             space.used -= amount
             space.releasing -= amount
@@ -1219,11 +1254,23 @@ class Core:
             entry.state = State.READY
             self.promotions += 1
         else:
-            if entry.home is None:
-                entry.home = before
-            entry.cost = _moves.parked_cost(entry)
-            entry.state = State.DEMOTED
-            self.demotions += 1
+            home = before if entry.home is None else entry.home
+            if _moves.left_home(home, entry.charge):
+                entry.home = home
+                _moves.part(entry)
+                entry.cost = _moves.parked_cost(entry)
+                entry.state = State.DEMOTED
+                self.demotions += 1
+            else:  # (home: a move within one memory, or measured where it was)
+                entry.home = None
+                entry.cost = entry.reload
+                entry.state = State.READY
+            if stayed := _moves.stayed(going, planned, entry.charge):
+                entry.doomed = entry.doomed or Reason.CAPACITY
+                if entry.joiners:  # (they get it; new requests load afresh)
+                    self._detach(entry)
+            # (idle since its last lease ended, not since it moved)
+            now = entry.idle_since
         if self._admit is not None:
             self._admit(entry)
         if entry.state is State.READY:
@@ -1234,10 +1281,11 @@ class Core:
                 self._rest(entry, now)
         elif entry.joiners:
             _moves.queue_promotion(self, entry, entry.home)
-        else:  # idle since its last lease ended, not since it moved
-            self._rest(entry, entry.idle_since)
+        else:
+            self._rest(entry, now)
         _reach.sync(entry)
         schedule(self)
+        return stayed
 
     def move_failed(self, entry: Entry, error: BaseException) -> None:
         """The move raised or timed out: quarantined, charged where it was and where it went.

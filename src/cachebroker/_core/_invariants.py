@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _reach
 from ._model import State
-from ._moves import freed, reserved
+from ._moves import freed, left_home, reserved
 
 if TYPE_CHECKING:
     from ._books import Core
@@ -49,6 +49,7 @@ def check(books: Core) -> None:
                     used[name] += amount
             else:
                 assert not entry.promoting and not entry.joiners, entry
+                assert freed(entry), f"{entry!r} waits to move within one space"
         else:
             assert entry not in books._demoting and entry.target is None, entry
         if entry.state is State.DEMOTED:
@@ -57,6 +58,12 @@ def check(books: Core) -> None:
             assert (entry in books.queue) is bool(entry.joiners), entry
             assert not (entry.joiners and entry.idle_seq), entry
             assert entry.joiners or entry.idle_seq or entry.doomed is not None, entry
+            # Never parked in its home, nor promoted to where it is parked: a
+            # promotion would ask for its bytes again beside themselves.
+            assert left_home(entry.home, entry.charge), (entry, entry.home, entry.charge)
+            assert entry.places is None or entry.charge.keys().isdisjoint(entry.places), entry
+            if entry in books.queue:
+                assert not entry.charge.keys() >= entry.need.keys(), (entry, entry.need)
         assert [(s.name, n) for s, n in entry.weights] == [
             (books.spaces[name].name, n) for name, n in entry.charge.items()
         ], entry

@@ -39,17 +39,23 @@ if TYPE_CHECKING:
     from ._books import Core
 
 __all__ = [
+    "beyond",
     "cancel_demotion",
     "circle",
+    "come_home",
     "evict_one",
     "freed",
     "give_up",
     "grant_demotions",
+    "left_home",
     "owner_space",
     "parked_cost",
+    "part",
     "queue_promotion",
     "reserved",
     "start_promotion",
+    "stayed",
+    "unparked",
 ]
 
 
@@ -321,3 +327,60 @@ def start_promotion(books: Core, entry: Entry) -> None:
     for name, amount in freed(entry).items():
         books.spaces[name].releasing += amount
     books.effects.append(StartMove(entry, owner_space(books, entry, destination(entry))))
+
+
+# A demoted entry's home and where it is parked are kept apart: a charge in its
+# home's spaces means the value is there (no move back), and a promotion placed
+# where it is parked would ask for its bytes again beside themselves.
+
+
+def left_home(home: Mapping[str, int], charge: Mapping[str, int]) -> bool:
+    """Whether a value charged ``charge`` is out of ``home``: one of the spaces it was
+    loaded in holds none of it. Otherwise it is home (a tier merged into one memory
+    with the space above it, or a move measured where it started): no promotion."""
+    return any(name not in charge for name in home)
+
+
+def stayed(going: Mapping[str, int], target: Mapping[str, int], charge: Mapping[str, int]) -> bool:
+    """Whether a demotion that was to free ``going`` is still charged there (``charge``,
+    as measured, holds more than ``target`` in one of them): it made no room."""
+    return any(charge.get(name, 0) > target.get(name, 0) for name in going)
+
+
+def unparked(entry: Entry, places: tuple[str, ...]) -> tuple[str, ...]:
+    """``places`` but the spaces a demoted ``entry`` is parked in: a promotion there would
+    be no move, and would ask for its bytes again beside themselves."""
+    return tuple(name for name in places if name not in entry.charge)
+
+
+def part(entry: Entry) -> None:
+    """Keep a demoted entry's places (``acquire(spaces=...)``) off the spaces it is parked
+    in (none left: ``None``, its home's)."""
+    if entry.places is not None:
+        entry.places = unparked(entry, entry.places) or None
+
+
+def come_home(books: Core, entry: Entry) -> None:
+    """A demoted entry is charged in every space of its home: ready there, no move back.
+
+    A promotion queued for it is taken out of the queue and its requesters
+    get leases (up to its slots).
+    """
+    entry.home = None
+    entry.cost = entry.reload
+    if entry in books.queue:
+        books._dequeue(entry)
+    entry.state = State.READY
+    if entry.joiners:
+        books._lease_joiners(entry)
+        if entry.leases:
+            books.busy[entry] = None
+    sync(entry)
+
+
+def beyond(need: dict[str, int], charge: Mapping[str, int]) -> dict[str, int]:
+    """What a grant of ``need`` takes beside ``charge``, what its entry holds already: a
+    promotion keeps the part of its charge that stays where it is (its other spaces)."""
+    if not charge:  # (a load: charged nothing until granted)
+        return need
+    return {name: n - charge.get(name, 0) for name, n in need.items() if n > charge.get(name, 0)}

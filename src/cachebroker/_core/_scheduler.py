@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from ._effects import Settled
 from ._model import Entry, Reason, State
-from ._moves import evict_one, grant_demotions, reserved
+from ._moves import beyond, evict_one, grant_demotions, reserved
 from ._reach import out_of_reach
 
 if TYPE_CHECKING:
@@ -90,6 +90,9 @@ def schedule(books: Core) -> None:
         # is refused, held back or not covered after all.
         need = entry.need
         attainable = True  # without waiting on forget()
+        if entry.charge:  # a promotion: it asks for none of the bytes it holds already
+            need = beyond(need, entry.charge)
+            attainable = all(n <= spaces[name].attainable for name, n in entry.need.items())
         behind = False  # one of its spaces is blocked by an earlier waiter
         shortfall: dict[str, int] | None = None  # short of ``avail``, per space
         coverable = True  # idle entries could cover every shortfall

@@ -1074,7 +1074,7 @@ class Runner:
             return
         up = entry.promoting
         slot.moving_to = None
-        core.move_done(entry, value, measured, seconds, self.clock())
+        stayed = core.move_done(entry, value, measured, seconds, self.clock())
         self.emit(
             "info",
             ev.MOVE_DONE,
@@ -1085,6 +1085,10 @@ class Runner:
             seconds=round(seconds, 6),
             bytes=dict(entry.charge),
         )
+        if stayed:  # (released: moving it down again would make no more room)
+            self.emit(
+                "warning", ev.MOVE_STAYED, cache=cache.name, key=entry.key, to=to, bytes=measured
+            )
         if entry.idle_seq:
             self.note_idle(entry)
         self.apply()
