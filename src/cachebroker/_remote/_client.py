@@ -112,10 +112,10 @@ class ClientBooks(Core):
         self.offered: dict[Entry, None] = {}
         self.offer = offer
 
-    def hit(self, entry: Entry, task: object) -> None:
+    def hit(self, entry: Entry, task: object, *, bound: bool = False) -> None:
         if not entry.leases:
             self.changed(entry)
-        Core.hit(self, entry, task)
+        Core.hit(self, entry, task, bound=bound)
         wanted = self.wanted
         if wanted and entry in wanted and wanted[entry] <= self.tick:
             # Its leases kept overlapping: new requests load afresh (behind the
