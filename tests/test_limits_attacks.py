@@ -7,11 +7,11 @@ driven directly (a stateful machine mixing every step with random priorities
 and slots under every built-in policy, checking ``Core.check()``, the priorities'
 own bookkeeping and the eviction order after every step).
 
-The bugs these attacks found are fixed, among them a lease handed to another
-task counting as its acquirer's for deadlock detection (only leases bound to a
-task by ``async with`` do now); a test marked ``xfail(strict=True)`` keeps a
-known limit in view: a shared broker evicts a connected process's entry by the
-priority it was loaded with.
+The bugs these attacks found are fixed, among them: a lease handed to another
+task counted as its acquirer's for deadlock detection (only leases bound to a
+task by ``async with`` do now), and a shared broker evicted a connected
+process's entry by the priority it was loaded with (a later acquire's priority
+is reported to it now).
 """
 
 from __future__ import annotations
@@ -709,12 +709,6 @@ async def test_a_priority_given_at_the_first_acquire_reaches_the_shared_broker()
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="the priority reaches the daemon only in the 'acquire' message of the first "
-    "load (Link.request); a later acquire(priority=) of the ready entry changes the "
-    "process's books only (Core.limit), so the shared broker evicts it by the old one",
-)
 async def test_a_priority_raised_on_a_ready_entry_reaches_the_shared_broker() -> None:
     async with serving() as daemon:
         async with Broker.connect(daemon.address) as broker:
@@ -759,6 +753,22 @@ def test_a_waiter_blocked_only_by_priority_holds_back_no_higher_priority_one(pol
     high = ask(h, "urgent", 50, 10, task="high")
     h.core.check()
     assert high.outcome is True and ("dear", Reason.CAPACITY) in h.released
+
+
+def test_a_priority_lowered_outside_a_request_lets_a_waiter_aside_evict_at_once() -> None:
+    """The books of a shared broker learn a process's later priority by a report."""
+    h = Harness({"m": 100}, instant=True)
+    dear = ask(h, "dear", 100, 10)
+    h.end(dear)
+    low = ask(h, "cheap", 50, 0, task="low")
+    assert low.outcome is None  # waits aside: "dear" is above it
+    h.core.reprioritize(dear.entry, 10)  # unchanged: still waits
+    h.drain()
+    assert low.outcome is None and h.released == []
+    h.core.reprioritize(dear.entry, 0)  # lowered: the queue is served again
+    h.drain()
+    h.core.check()
+    assert ("dear", Reason.CAPACITY) in h.released and low.outcome is True
 
 
 def overlap(h: Harness, held: Ticket, times: int = 10) -> None:

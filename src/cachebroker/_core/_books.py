@@ -369,6 +369,18 @@ class Core:
             if entry.joiners and entry.state is State.READY:
                 self._grant_slots(entry)  # (or refuses a waiter now waiting on itself)
 
+    def reprioritize(self, entry: Entry, priority: int) -> None:
+        """Give ``entry`` ``priority`` outside a request (books whose owner's acquires
+        run in another process, which reports the latest one's priority).
+
+        A lowered priority may let a waiter that waits aside (blocked only by
+        higher-priority bytes) evict the entry now: the queue is served again.
+        """
+        lowered = priority < entry.priority
+        self.limit(entry, priority=priority)
+        if lowered and self.queue:
+            schedule(self)
+
     def _prepare_priority(self, priority: int) -> None:
         """Have a policy serve ``priority``: at the second priority seen, one per priority.
 
