@@ -7,14 +7,16 @@ driven directly (a stateful machine mixing every step with random priorities
 and slots under every built-in policy, checking ``Core.check()``, the priorities'
 own bookkeeping and the eviction order after every step).
 
-The bugs these attacks found are fixed; two tests marked ``xfail(strict=True)``
-keep known limits in view: a lease handed to another task still counts as its
-acquirer's for deadlock detection, and a shared broker evicts a connected
-process's entry by the priority it was loaded with.
+The bugs these attacks found are fixed, among them: a lease handed to another
+task counted as its acquirer's for deadlock detection (only leases bound to a
+task by ``async with`` do now), and a shared broker evicted a connected
+process's entry by the priority it was loaded with (a later acquire's priority
+is reported to it now).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -384,13 +386,6 @@ async def test_a_releaser_waiting_for_a_slot_held_by_the_evicting_request_is_ref
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="Core._wait_for_slot treats entry.holders (the acquiring task of each lease) "
-    "as the tasks that will release them; a lease handed to a worker task (which "
-    "Core.lease_end supports) makes the producer's next acquire a false DeadlockError "
-    "instead of a wait for the worker's release",
-)
 async def test_a_lease_handed_to_another_task_makes_the_next_acquire_wait_not_fail() -> None:
     async with Broker(budget=100) as broker, broker.cache("m", release, concurrency=1) as cache:
         send, receive = anyio.create_memory_object_stream[Any](1)
@@ -428,6 +423,61 @@ def test_a_waiter_left_waiting_on_its_own_leases_after_a_lowered_limit_is_refuse
     h.end(other)  # now only T's own lease holds the only slot
     h.core.check()
     assert isinstance(again.outcome, DeadlockError)
+
+
+def test_a_slot_held_by_a_lease_that_may_travel_is_waited_for_not_refused() -> None:
+    """The books: an unbound lease (awaited, not entered) may be ended by another task."""
+    h = Harness({"m": 100}, instant=True)
+    loose = h.core.request(h.owner, "k", {"m": 10}, "T", slots=1, bound=False)
+    h.drain()
+    assert loose.outcome is True and loose.entry.bound == []
+    again = h.core.request(h.owner, "k", {"m": 10}, "T")  # bound: it waits for its turn
+    h.drain()
+    h.core.check()
+    assert again.outcome is None and again in loose.entry.joiners
+    h.end(loose)  # ended (by whichever task it was handed to): the waiter takes the slot
+    h.core.check()
+    assert again.outcome is True and loose.entry.bound == ["T"]
+    # Now the slot is bound to T: asking again from T could only wait on itself.
+    with pytest.raises(DeadlockError, match=r"p:'k'.*concurrency=1"):
+        h.core.request(h.owner, "k", {"m": 10}, "T")
+
+
+def test_a_lease_granted_later_keeps_whether_it_was_bound() -> None:
+    """The books: a slot waiter's ``bound`` goes with the lease it is granted."""
+    h = Harness({"m": 100}, instant=True)
+    first = h.core.request(h.owner, "k", {"m": 10}, "U", slots=1)
+    h.drain()
+    waiter = h.core.request(h.owner, "k", {"m": 10}, "T", bound=False)
+    h.drain()
+    h.end(first)
+    h.core.check()
+    assert waiter.outcome is True and waiter.entry.bound == []
+    # T's only lease may travel: T's next request waits instead of failing.
+    nxt = h.core.request(h.owner, "k", {"m": 10}, "T")
+    h.drain()
+    assert nxt.outcome is None
+    h.end(waiter)
+    assert nxt.outcome is True
+
+
+def test_a_task_ending_one_of_two_kinds_of_lease_is_never_refused_falsely() -> None:
+    """The books cannot tell which of a task's two leases ended: the bound one is forgotten."""
+    h = Harness({"m": 100}, instant=True)
+    bound = h.core.request(h.owner, "k", {"m": 10}, "T", slots=2)
+    loose = h.core.request(h.owner, "k", {"m": 10}, "T", bound=False)
+    h.drain()
+    entry = bound.entry
+    assert entry.bound == ["T"] and entry.holders == ["T", "T"]
+    h.end(bound)
+    h.core.check()
+    assert entry.bound == [] and entry.leases == 1
+    h.core.limit(entry, slots=1)
+    again = h.core.request(h.owner, "k", {"m": 10}, "T")  # waits for the lease left
+    h.drain()
+    assert again.outcome is None
+    h.end(loose)
+    assert again.outcome is True
 
 
 # -- stats and the hit path --------------------------------------------------------
@@ -479,10 +529,19 @@ async def test_unlimited_entries_keep_the_hit_path_after_a_limit_was_set_and_low
         return await original(self, key, *args)
 
     monkeypatch.setattr(Cache, "_acquire_slow", counting)
-    async with Broker(budget=100) as broker, broker.cache("m", release) as cache:
+    async with (
+        Broker(budget=100) as broker,
+        broker.cache("m", release) as cache,
+        contextlib.AsyncExitStack() as held,
+    ):
         await (await cache.acquire("free", load=Loads(), size=10)).release()
-        limited = [await cache.acquire("lim", load=Loads(), size=10, concurrency=3)]
-        limited.append(await cache.acquire("lim", load=Loads(), size=10))
+        # Entered, as by ``async with``: only this task can end them.
+        limited = [
+            await held.enter_async_context(
+                cache.acquire("lim", load=Loads(), size=10, concurrency=3)
+            ),
+            await held.enter_async_context(cache.acquire("lim", load=Loads(), size=10)),
+        ]
         errors: list[BaseException] = []
 
         async def lower() -> None:  # another task lowers the limit: 2 leases >= 1 slot
@@ -498,7 +557,7 @@ async def test_unlimited_entries_keep_the_hit_path_after_a_limit_was_set_and_low
         slow.clear()
         free = [await cache.acquire("free", load=Loads(), size=10) for _ in range(20)]
         assert slow == [] and leases_on(cache, "free") == 20
-        # The limited one takes the slow path, and this task holds both its leases.
+        # The limited one takes the slow path, and this task's blocks hold both its leases.
         with pytest.raises(DeadlockError):
             await cache.acquire("lim", load=Loads(), size=10)
         assert slow == ["lim"]
@@ -650,12 +709,6 @@ async def test_a_priority_given_at_the_first_acquire_reaches_the_shared_broker()
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="the priority reaches the daemon only in the 'acquire' message of the first "
-    "load (Link.request); a later acquire(priority=) of the ready entry changes the "
-    "process's books only (Core.limit), so the shared broker evicts it by the old one",
-)
 async def test_a_priority_raised_on_a_ready_entry_reaches_the_shared_broker() -> None:
     async with serving() as daemon:
         async with Broker.connect(daemon.address) as broker:
@@ -700,6 +753,22 @@ def test_a_waiter_blocked_only_by_priority_holds_back_no_higher_priority_one(pol
     high = ask(h, "urgent", 50, 10, task="high")
     h.core.check()
     assert high.outcome is True and ("dear", Reason.CAPACITY) in h.released
+
+
+def test_a_priority_lowered_outside_a_request_lets_a_waiter_aside_evict_at_once() -> None:
+    """The books of a shared broker learn a process's later priority by a report."""
+    h = Harness({"m": 100}, instant=True)
+    dear = ask(h, "dear", 100, 10)
+    h.end(dear)
+    low = ask(h, "cheap", 50, 0, task="low")
+    assert low.outcome is None  # waits aside: "dear" is above it
+    h.core.reprioritize(dear.entry, 10)  # unchanged: still waits
+    h.drain()
+    assert low.outcome is None and h.released == []
+    h.core.reprioritize(dear.entry, 0)  # lowered: the queue is served again
+    h.drain()
+    h.core.check()
+    assert ("dear", Reason.CAPACITY) in h.released and low.outcome is True
 
 
 def overlap(h: Harness, held: Ticket, times: int = 10) -> None:

@@ -339,3 +339,44 @@ async def test_restarts_in_quick_succession_leave_the_last_daemon_with_the_true_
                     assert lease.value == "M"
                 assert held.value == "H"
                 await held.release()
+
+
+def priorities(daemon: Daemon) -> dict[str, int]:
+    return {e["key"]: e["priority"] for e in daemon.listing()["entries"]}
+
+
+async def test_the_latest_acquire_s_priority_is_the_daemon_s_and_the_next_one_s(
+    address: str,
+) -> None:
+    """A priority given by a later acquire reaches the shared broker: of a ready entry,
+    at once; of one asked for during an outage (whose request still says the first
+    acquire's), with its load's outcome; and a restarted daemon registers the latest."""
+    async with daemons(address) as run:
+        first = await run.start()
+        async with Broker.connect(address) as one, one.cache("w", Plugin()) as c1:
+            async with c1.acquire("x", load=value("X"), size=10):
+                pass
+            async with c1.acquire("x", load=value("X"), size=10, priority=9):
+                pass
+            await until(lambda: priorities(first) == {"'x'": 9})
+            await run.stop()
+            await until(lambda: not link_of(one).online)
+            async with anyio.create_task_group() as tg:
+                late: list[Any] = []
+
+                async def during_the_outage(priority: int | None) -> None:
+                    late.append(
+                        await c1.acquire(
+                            "late", load=value("L"), size=10, timeout=10, priority=priority
+                        )
+                    )
+
+                tg.start_soon(during_the_outage, None)
+                await until(lambda: one.stats_nowait().waiting == 1)
+                tg.start_soon(during_the_outage, 7)  # joins the first one's load
+                await until(lambda: c1._owner.entries["late"].priority == 7)
+                second = await run.start()
+            await until(lambda: priorities(second) == {"'x'": 9, "'late'": 7})
+            second.runner.core.check()
+            for lease in late:
+                await lease.release()

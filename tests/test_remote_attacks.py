@@ -214,6 +214,25 @@ HOSTILE: dict[str, tuple[bool, list[Any]]] = {
         True,
         [_acquire(1, 10), "grant", {"op": "report", "id": 1, "state": "idle", "charge": {"z": 5}}],
     ),
+    "a priority that is no int": (
+        True,
+        [_acquire(1, 10), "grant", {"op": "report", "id": 1, "state": "idle", "priority": "9"}],
+    ),
+    "a priority of true": (
+        True,
+        [_acquire(1, 10), "grant", {"op": "report", "id": 1, "state": "idle", "priority": True}],
+    ),
+    "priorities changed, with the state as told and at once": (
+        False,
+        [
+            _acquire(1, 10),
+            "grant",
+            {"op": "report", "id": 1, "state": "held", "charge": {"m": 10}, "priority": 3},
+            {"op": "report", "id": 1, "state": "held", "priority": -(10**20)},
+            {"op": "report", "id": 1, "state": "idle", "priority": 10**20},
+            {"op": "report", "id": 1, "state": "gone", "priority": 0},
+        ],
+    ),
     "an id acquired twice": (True, [_acquire(1, 10), _acquire(1, 10)]),
     "a need above the whole budget": (False, [_acquire(1, 10**40)]),
     "holding its own id, and ids it never had": (False, [_acquire(1, 10, holding=[1, 7, -3])]),

@@ -11,6 +11,7 @@ invariants of the package docstring for the entry it touches.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import heapq
 import itertools
@@ -72,8 +73,20 @@ def _factory(policy: Policy) -> Callable[[], Policy]:
 
 
 def _slot_self_wait(entry: Entry, own: set[int], *, loading: bool = False) -> DeadlockError | None:
-    """The error for a wait for ``entry``'s lease slots that only ``own`` tasks (by id) hold."""
-    if not entry.holders or any(id(holder) not in own for holder in entry.holders):
+    """The error for a wait for ``entry``'s lease slots that only ``own`` tasks (by id) can free.
+
+    The books know which task acquired each lease, not which task will end
+    it: ``lease.release()`` works from any task, so a lease taken with
+    ``lease = await cache.acquire(...)`` may have been handed to a worker
+    that ends it while its acquirer waits. Such a wait is hopeless only when
+    every lease holding the slots is ``bound`` (``Core.request``) to one of
+    ``own``, which cannot end it while it waits; one that may travel keeps
+    the wait alive (bounded by the acquire's own ``timeout``).
+    """
+    holders = entry.holders
+    if not holders or len(entry.bound) < len(holders):
+        return None  # (``bound`` is a sub-multiset of ``holders``: some lease may travel)
+    if any(id(holder) not in own for holder in holders):
         return None
     return DeadlockError(
         f"acquiring {entry.owner.name}:{entry.key!r} would wait for a lease slot "
@@ -378,6 +391,18 @@ class Core:
             if entry.joiners and entry.state is State.READY:
                 self._grant_slots(entry)  # (or refuses a waiter now waiting on itself)
 
+    def reprioritize(self, entry: Entry, priority: int) -> None:
+        """Give ``entry`` ``priority`` outside a request (books whose owner's acquires
+        run in another process, which reports the latest one's priority).
+
+        A lowered priority may let a waiter that waits aside (blocked only by
+        higher-priority bytes) evict the entry now: the queue is served again.
+        """
+        lowered = priority < entry.priority
+        self.limit(entry, priority=priority)
+        if lowered and self.queue:
+            schedule(self)
+
     def _prepare_priority(self, priority: int) -> None:
         """Have a policy serve ``priority``: at the second priority seen, one per priority.
 
@@ -403,11 +428,14 @@ class Core:
         self._admit, self._remove = priorities.admit, priorities.remove
         self._evicted = priorities.evicted
 
-    def _wait_for_slot(self, entry: Entry, task: object, loading: tuple[Entry, ...] = ()) -> Ticket:
+    def _wait_for_slot(
+        self, entry: Entry, task: object, loading: tuple[Entry, ...] = (), *, bound: bool = True
+    ) -> Ticket:
         """Queue ``task`` for a lease slot of a ready entry whose slots are taken.
 
-        Refused when only the asking task holds the slots: itself, or, from
-        inside a loader, the tasks waiting for that load (which wait on it).
+        Refused when only the asking task can free the slots: leases bound
+        to itself, or, from inside a loader, to the tasks waiting for that
+        load (which wait on it). See ``_slot_self_wait``.
         """
         own = {id(task)} | {id(t.task) for outer in loading for t in outer.joiners}
         error = _slot_self_wait(entry, own, loading=bool(loading))
@@ -415,6 +443,7 @@ class Core:
             raise error
         self._count_request(entry)
         ticket = Ticket(entry, task)
+        ticket.bound = bound
         entry.joiners.append(ticket)
         return ticket
 
@@ -426,6 +455,8 @@ class Core:
             ticket = joiners.pop(0)
             ticket.outcome = True
             entry.holders.append(ticket.task)
+            if ticket.bound:
+                entry.bound.append(ticket.task)
             entry.leases += 1
             granted += 1
         # A waiter whose own leases now hold every slot would wait for ever.
@@ -449,8 +480,9 @@ class Core:
             schedule(self)
         return True
 
-    def hit(self, entry: Entry, task: object) -> None:
-        """Lease a ready entry to ``task``."""
+    def hit(self, entry: Entry, task: object, *, bound: bool = False) -> None:
+        """Lease a ready entry to ``task``; ``bound``: as for ``request`` (the hit path
+        of the shell leaves it out: such a lease never makes a slot wait hopeless)."""
         if entry.leases == 0:
             if entry.idle_seq:  # (a pinned entry never was a candidate)
                 self._unidle(entry)
@@ -459,6 +491,8 @@ class Core:
                 self.busy[entry] = None
         entry.leases += 1
         entry.holders.append(task)
+        if bound:
+            entry.bound.append(task)
         # _count_request, inlined: this is the hit path.
         tick = self.tick = self.tick + 1
         entry.requests += 1
@@ -489,6 +523,7 @@ class Core:
         slots: int | None = None,
         priority: int | None = None,
         places: tuple[str, ...] | None = None,
+        bound: bool = True,
     ) -> Ticket:
         """Ask for ``key`` on behalf of ``task``; returns a ticket to wait on.
 
@@ -518,6 +553,11 @@ class Core:
         its size in the first (one space); the scheduler chooses among those
         that can ever hold it and would not wait on ``task``'s own leases.
 
+        ``bound``: whether only ``task`` itself can end the lease granted
+        (the shell: a lease entered with ``async with``, whose block ends it
+        in that task). An unbound lease may be handed to another task and
+        ended there, so it never makes a wait for a lease slot hopeless.
+
         Raises:
             RequestTooLarge: ``need`` exceeds a space's whole budget.
             OutOfSpace: ``need`` fits the budget only once quarantined
@@ -525,7 +565,7 @@ class Core:
             DeadlockError: only evicting ``task``'s own leases (or writing
                 off quarantined entries) could make room, the request waits
                 for a load that waits for it, or for a lease slot that only
-                ``task`` itself could free.
+                ``task`` itself could free (leases bound to it).
             BrokerClosed: the owner is closing.
         """
         if owner.closing:
@@ -542,9 +582,9 @@ class Core:
             _moves.cancel_demotion(self, entry)  # type: ignore[arg-type]
         if entry is not None and entry.state is State.READY:
             if entry.slots is not None and (entry.joiners or entry.leases >= entry.slots):
-                ticket = self._wait_for_slot(entry, task, loading)
+                ticket = self._wait_for_slot(entry, task, loading, bound=bound)
             else:
-                self.hit(entry, task)
+                self.hit(entry, task, bound=bound)
                 ticket = Ticket(entry, task)
                 ticket.outcome = True
             if kept:  # the waiters it was demoted for look elsewhere
@@ -605,6 +645,7 @@ class Core:
                 _moves.queue_promotion(self, entry, need)
             self._count_request(entry)
         ticket = Ticket(entry, task, loading, held)
+        ticket.bound = bound
         entry.joiners.append(ticket)
         if loading:
             for outer in loading:
@@ -1196,6 +1237,8 @@ class Core:
         for ticket in granted:
             ticket.outcome = True
             entry.holders.append(ticket.task)
+            if ticket.bound:
+                entry.bound.append(ticket.task)
         entry.leases = len(granted)
         entry.joiners = entry.joiners[len(granted) :]
         self.effects.append(Settled(entry))
@@ -1401,6 +1444,18 @@ class Core:
 
     # ------------------------------------------------------------------ leases
 
+    @staticmethod
+    def _unbind(entry: Entry, task: object) -> None:
+        """Keep ``entry.bound`` within its holders once a lease of ``task`` ended.
+
+        When ``task`` held both a bound and an unbound lease, the books cannot
+        tell which one ended: the bound one is forgotten, so that the other
+        can only be taken for one that may travel (a wait on it is never
+        called hopeless), never the other way round.
+        """
+        with contextlib.suppress(ValueError):
+            entry.bound.remove(task)
+
     def lease_end(self, entry: Entry, task: object, now: float) -> None:
         """End one lease of ``task`` on ``entry``; a request waiting for a slot takes it."""
         entry.leases -= 1
@@ -1408,7 +1463,9 @@ class Core:
         try:
             holders.remove(task)
         except ValueError:  # The lease was handed to another task: forget one of the holders.
-            holders.pop()
+            task = holders.pop()
+        if entry.bound:
+            self._unbind(entry, task)
         if entry.joiners and entry.state is _READY:
             self._grant_slots(entry)
         if entry.leases == 0:
@@ -1850,6 +1907,7 @@ class Core:
                 self.busy.pop(entry, None)
                 entry.leases = 0
                 entry.holders = []
+                entry.bound = []
             elif state is State.RELEASING:
                 for name, amount in entry.charge.items():
                     self.spaces[name].releasing -= amount

@@ -93,6 +93,9 @@ def check(books: Core) -> None:
             assert not entry.idle_seq, entry
             assert len(entry.holders) == entry.leases, entry
             assert (entry in books.busy) is (entry.state is State.READY), entry
+        # The leases only their own task can end are some of its leases.
+        bound = entry.bound
+        assert all(bound.count(h) <= entry.holders.count(h) for h in bound), entry
     assert books.idle_count == sum(1 for e in books.entries() if e.idle_seq), books.idle_count
     for entry in books.busy:
         assert entry.leases or entry in books._settling, entry

@@ -150,7 +150,7 @@ class Ticket:
     it, or the exception it must raise.
     """
 
-    __slots__ = ("entry", "held", "holds", "loading", "outcome", "task")
+    __slots__ = ("bound", "entry", "held", "holds", "loading", "outcome", "task")
 
     def __init__(
         self,
@@ -170,6 +170,10 @@ class Ticket:
         #: Whether ``task`` held a lease in the requested spaces when it asked:
         #: a waiter blocked on that lease must not block this request in turn.
         self.holds = False
+        #: Whether ``task`` itself will end the lease granted to this ticket
+        #: (``Core.request``'s ``bound``): only such leases can make a wait
+        #: for a lease slot hopeless.
+        self.bound = True
 
 
 class Entry:
@@ -179,6 +183,7 @@ class Entry:
         "after",
         "asked",
         "asked_places",
+        "bound",
         "cache",
         "charge",
         "cost",
@@ -231,6 +236,10 @@ class Entry:
         self.leases = 0
         #: The task of each lease (one item per lease; usually a single one).
         self.holders: list[object] = []
+        #: The holders (one item per lease, a sub-multiset of ``holders``)
+        #: whose lease only their own task can end: see ``Core.request``'s
+        #: ``bound``. The other leases may have been handed to another task.
+        self.bound: list[object] = []
         #: Tickets waiting on it: for its load while it is waiting or loading;
         #: for a lease slot (FIFO) while it is ready and ``slots`` are taken.
         self.joiners: list[Ticket] = []

@@ -112,10 +112,10 @@ class ClientBooks(Core):
         self.offered: dict[Entry, None] = {}
         self.offer = offer
 
-    def hit(self, entry: Entry, task: object) -> None:
+    def hit(self, entry: Entry, task: object, *, bound: bool = False) -> None:
         if not entry.leases:
             self.changed(entry)
-        Core.hit(self, entry, task)
+        Core.hit(self, entry, task, bound=bound)
         wanted = self.wanted
         if wanted and entry in wanted and wanted[entry] <= self.tick:
             # Its leases kept overlapping: new requests load afresh (behind the
@@ -156,6 +156,12 @@ class ClientBooks(Core):
             if not entry.pinned:
                 self.let_go(entry, Reason.CAPACITY)
         return False
+
+    def limit(self, entry: Entry, *, slots: int | None = None, priority: int | None = None) -> None:
+        before = entry.priority
+        Core.limit(self, entry, slots=slots, priority=priority)
+        if entry.priority != before:
+            self.changed(entry)  # the shared broker evicts by it too (``Link.collect``)
 
     def configure(
         self, entry: Entry, *, idle_ttl: float | None = None, pin: bool | None = None
@@ -244,6 +250,10 @@ class ClientBooks(Core):
 #: Reports of an entry on its way out, which say why (``reason``).
 _LETTING_GO = frozenset({"releasing", "overdue", "quarantined", "gone"})
 
+#: Reports that carry no changed priority: a loading entry's waits for the load's
+#: outcome (a report of "loading" is no report), one on its way out needs none.
+_QUIET_PRIORITY = _LETTING_GO | {"loading"}
+
 #: Reports of an entry on its way out whose bytes this process may still hold.
 _HOLDING_BYTES = frozenset({"releasing", "overdue", "quarantined"})
 
@@ -330,6 +340,9 @@ class Link:
         self.by_id: dict[int, Entry] = {}
         #: What the daemon was last told of each entry (``None``: not granted yet).
         self.told: dict[Entry, str | None] = {}
+        #: The eviction priority the daemon was last told of each entry it knows:
+        #: a later ``acquire(priority=)`` is reported with the entry's state.
+        self.priorities: dict[Entry, int] = {}
         self.admitting: dict[int, _Admission] = {}
         #: The entries whose load waits for the daemon's grant (``Runner.admitting``).
         self.awaiting: dict[Entry, None] = {}
@@ -459,9 +472,17 @@ class Link:
             if told is None:
                 continue  # not granted yet: nothing the daemon needs
             now = _report(entry, entry in core.overdue)
+            # A changed priority goes with the entry's next report, or alone when
+            # its state is as told; a loading one's goes with the load's outcome,
+            # and one on its way out needs none (a refused release reports "held").
+            priority = None if now in _QUIET_PRIORITY else self._new_priority(entry)
             if now == told:
+                if priority is not None:
+                    self.outbox.append(self._report_priority(entry, now, priority))
                 continue
             message: dict[str, Any] = {"op": "report", "id": self.ids[entry], "state": now}
+            if priority is not None:
+                message["priority"] = priority
             if told == "loading":
                 charge = core.charges.pop(entry, None)
                 if charge is None and now in _HOLDING_BYTES:
@@ -487,6 +508,18 @@ class Link:
             else:
                 self.told[entry] = now
             self.outbox.append(message)
+
+    def _new_priority(self, entry: Entry) -> int | None:
+        """``entry``'s priority if the daemon knows another one (it is then told it)."""
+        priority = entry.priority
+        if self.priorities.get(entry, priority) == priority:
+            return None
+        self.priorities[entry] = priority
+        return priority
+
+    def _report_priority(self, entry: Entry, state: str, priority: int) -> dict[str, Any]:
+        """A report that changes only ``entry``'s priority: its state is as last told."""
+        return {"op": "report", "id": self.ids[entry], "state": state, "priority": priority}
 
     async def writer(self) -> None:
         """Send each batch: the reports of what changed, then the messages posted.
@@ -680,7 +713,7 @@ class Link:
                 "key": _key_text(entry.key),
                 "state": now,
                 "charge": dict(entry.charge),
-                "priority": entry.priority,
+                "priority": entry.priority,  # (as it is now: a later acquire's, if any)
                 "loads": core.load_history.get((entry.cache, entry.key), (0, 0.0))[0],
             }
             core.charges.pop(entry, None)
@@ -690,6 +723,7 @@ class Link:
             if now in ("quarantined", "overdue"):
                 message["error"] = f"{entry.error!s:.500}"
             self.told[entry] = now
+            self.priorities[entry] = entry.priority
             messages.append(message)
             adopted += 1
         self.asked.clear()
@@ -765,9 +799,11 @@ class Link:
             # loader, or by a task holding a lease) must pass the daemon's too.
             "urgent": unknown and entry is not core._unknown,
             "holding": holding,
-            # The shared broker evicts by it too (as it was when requested).
+            # The shared broker evicts by it too: as it is when requested, and
+            # as later acquires change it (reported with its state: ``collect``).
             "priority": entry.priority,
         }
+        self.priorities[entry] = entry.priority
         self.admitting[id] = _Admission(message)
         if self.online:
             self.post(message)
@@ -810,6 +846,7 @@ class Link:
         id = self.ids.pop(entry, None)
         self.by_id.pop(id, None)  # type: ignore[arg-type]
         self.told.pop(entry, None)
+        self.priorities.pop(entry, None)
 
     def ask_why(self, entry: Entry) -> Callable[[], Awaitable[str | None]]:
         """Ask the daemon why ``entry``'s request has no room yet; what awaits its answer."""

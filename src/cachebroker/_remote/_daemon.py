@@ -666,11 +666,16 @@ class Connection:
         state = wire.field(message, "state", str)
         if state not in _REPORTS:
             raise ProtocolError(f"'report' message: 'state' is {state!r}")
+        priority = message.get("priority")
+        if priority is not None and type(priority) is not int:
+            raise ProtocolError(f"'report' message: 'priority' is {priority!r}")
         mirror = self.mirrors.get(id)
         if mirror is None:
             return  # cancelled meanwhile, or gone already
         if not mirror.granted:
             raise ProtocolError(f"'report' of #{id}, which was never granted")
+        if priority is not None:
+            self._reprioritize(mirror, priority)
         if mirror.state == "loading":
             mirror.charge = self._charge(message, state)
             loads = message.get("loads")
@@ -684,6 +689,19 @@ class Connection:
         if state in ("quarantined", "overdue"):
             mirror.error = str(message.get("error", ""))
         self.reconcile(mirror)
+
+    def _reprioritize(self, mirror: _Mirror, priority: int) -> None:
+        """Evict ``mirror``'s entry by the priority a later acquire there gave it.
+
+        As in-process, the latest acquire's priority wins (``Core.reprioritize``).
+        """
+        entry = mirror.entry
+        block = mirror.space.block
+        if entry is None and block is not None:  # granted, still loading there
+            entry = block.owner.entries.get(mirror.key)
+        if entry is None or entry.state is State.GONE:
+            return
+        self.runner.core.reprioritize(entry, priority)
 
     def _charge(self, message: dict[str, Any], state: str) -> dict[str, int] | None:
         """A loaded entry's measured charge: in the daemon's spaces, and kept only within them.

@@ -159,10 +159,11 @@ class Actor(Protocol):
         slots: int | None = None,
         priority: int | None = None,
         places: tuple[str, ...] | None = None,
+        bound: bool = True,
     ) -> tuple[Entry, object]:
         """Acquire ``key`` when it is not ready, or limited (a miss, a join, a slot wait):
         the entry and its holder. ``places``: ``acquire(spaces=...)``; ``load`` then
-        takes the chosen space's name."""
+        takes the chosen space's name. ``bound``: as for ``Core.request``."""
 
     async def prefetch(
         self,

@@ -551,9 +551,10 @@ class Cache:
         measure: Callable[[Any], Any] | None = None,
         limits: tuple[int | None, int | None] | None = None,
         places: tuple[str, ...] | None = None,
+        entered: bool = False,
     ) -> tuple[Entry, object]:
         """Acquire ``key`` when it is not ready (a miss, a join), or with limits: the
-        entry and its holder."""
+        entry and its holder. ``entered``: by ``async with`` (``Lease.__await__``)."""
         actor = self._actor
         actor.refresh_trace()  # see Runner.__init__
         self._find(key)  # an unhashable key is an InvalidKey
@@ -574,4 +575,5 @@ class Cache:
             slots=slots,
             priority=priority,
             places=places,
+            bound=entered,
         )

@@ -43,6 +43,7 @@ class _Source(Protocol):
         measure: Callable[[Any], Any] | None = ...,
         limits: tuple[int | None, int | None] | None = ...,
         places: tuple[str, ...] | None = ...,
+        entered: bool = ...,
     ) -> tuple[Entry, object]: ...
 
 
@@ -63,11 +64,10 @@ def _coroutine_twin(func: Callable[..., Any], name: str, doc: str) -> Callable[.
     ``__aenter__`` is ``__await__``'s twin: ``async with`` awaits the
     generator it returns as it is, so the block costs no ``__aenter__``
     frame nor ``__await__`` lookup (``__await__`` itself must return a plain
-    iterator).
+    iterator). The twin's ``_entered`` defaults to ``True``: a lease entered
+    is ended by its block, in the acquiring task (see ``Lease.__await__``).
     """
-    twin = types.FunctionType(
-        func.__code__, func.__globals__, name, func.__defaults__, func.__closure__
-    )
+    twin = types.FunctionType(func.__code__, func.__globals__, name, (True,), func.__closure__)
     twin.__qualname__ = func.__qualname__.rpartition(".")[0] + "." + name
     twin.__doc__ = doc
     return types.coroutine(twin)
@@ -108,11 +108,18 @@ class Lease(Generic[T_co]):
         #: The holder task once granted; else _PENDING, _ACQUIRING or _RELEASED.
         _task: object
 
-    def __await__(self) -> Generator[Any, Any, Lease[T_co]]:
+    def __await__(self, _entered: bool = False) -> Generator[Any, Any, Lease[T_co]]:
         """Acquire: ``lease = await cache.acquire(...)`` (see ``Cache.acquire``).
 
         Cancellation withdraws the request; nothing is held afterwards and the
         lease may be awaited again.
+
+        ``_entered`` (``True`` in ``__aenter__``, its twin): the lease is
+        bound to the acquiring task, which ends it by leaving its block; an
+        awaited one may be handed to another task and released there, so the
+        books never count it as one only its acquirer could free
+        (``Core.request``'s ``bound``). The hit path binds nothing: a lease
+        of an unlimited entry holds no slot a wait could be refused for.
         """
         # The hit path, written out in one frame: a ready entry is leased in
         # this step, without building a coroutine (docs/architecture.md).
@@ -155,6 +162,7 @@ class Lease(Generic[T_co]):
                     self._measure,
                     self._limits,
                     self._places,
+                    _entered,
                 )
                 entry, task = yield from slow.__await__()
         except BaseException:
@@ -262,7 +270,7 @@ class _Tuned(Lease[T_co]):
         #: ``(idle_ttl, pin)`` for the entry once acquired, if either was given.
         _options: tuple[float | None, bool] | None
 
-    def __await__(self) -> Generator[Any, Any, Lease[T_co]]:
+    def __await__(self, _entered: bool = False) -> Generator[Any, Any, Lease[T_co]]:
         if self._limits is not None:
             # The books apply them before granting: to an entry loaded already
             # now (a hit of a limited entry then takes the slow path), to a new
@@ -276,7 +284,7 @@ class _Tuned(Lease[T_co]):
                 slots, priority = self._limits
                 actor.core.limit(entry, slots=slots, priority=priority)
                 actor.apply()
-        lease = yield from super().__await__()
+        lease = yield from Lease.__await__(self, _entered)
         if self._options is not None and self._entry is not None:
             idle_ttl, pin = self._options
             self._cache._actor.core.configure(self._entry, idle_ttl=idle_ttl, pin=pin or None)

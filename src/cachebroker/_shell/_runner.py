@@ -1386,13 +1386,14 @@ class Runner:
         slots: int | None = None,
         priority: int | None = None,
         places: tuple[str, ...] | None = None,
+        bound: bool = True,
     ) -> tuple[Entry, object]:
         """Acquire ``key`` when it is not ready, or limited (a miss, a join, a slot wait):
         the entry and its holder.
 
         ``Cache._acquire_slow`` checked the arguments and parsed ``need``;
-        ``urgent`` and ``held`` are for a request relayed from another process
-        (``Core.request``).
+        ``urgent`` and ``held`` are for a request relayed from another process,
+        ``bound`` says whether only this task can end the lease (``Core.request``).
         """
         task = self.current_task()
         core = self.core
@@ -1413,6 +1414,7 @@ class Runner:
             slots=slots,
             priority=priority,
             places=places,
+            bound=bound,
         )
         entry = ticket.entry
         if ticket.outcome is None and task in self._releasing_tasks:
