@@ -174,6 +174,20 @@ def test_room_that_an_earlier_promise_takes_is_not_counted_for_a_placed_request(
     h.core.check()
 
 
+def test_a_place_blocked_by_a_request_of_a_higher_priority_is_not_open_to_a_lower_one() -> None:
+    """gpu0 has 30 B free, but an earlier request of priority 5 waits there: a placed
+    request of priority 0 goes to gpu1 instead of queueing behind it."""
+    h = gpus()
+    held = load(h, "held", {"gpu0": 70}, task="x")
+    first = h.core.request(h.owner, "first", {"gpu0": 90}, "u", priority=5)
+    h.drain()
+    assert first.entry.state is State.WAITING
+    ticket = place(h, "p", 20, task="v", priority=0)
+    assert ticket.entry.need == {"gpu1": 20} and ticket.entry.state is State.LOADING
+    h.end(held)
+    h.core.check()
+
+
 # ------------------------------------------------------------ the grants of one pass
 
 
@@ -215,6 +229,21 @@ def test_bytes_still_being_released_are_promised_but_not_granted_twice() -> None
     h.core.check()
     h.ack(slow)
     assert two.entry.state is State.LOADING and h.used() == 100
+    h.core.check()
+
+
+def test_a_request_of_a_lower_priority_waits_behind_a_blocked_higher_one() -> None:
+    """An earlier request of priority 5 that nothing can cover yet blocks its space
+    for later ones up to its priority, even one that would fit the free bytes."""
+    h = Harness({"m": 100})
+    held = load(h, "held", {"m": 80}, task="x")
+    first = h.core.request(h.owner, "first", {"m": 50}, "u", priority=5)
+    low = h.core.request(h.owner, "low", {"m": 10}, "v", priority=0)
+    h.drain()
+    assert first.entry.state is State.WAITING and low.entry.state is State.WAITING
+    h.end(held)  # evicted for first; then both fit
+    h.ack(held.entry)
+    assert first.entry.state is State.LOADING and low.entry.state is State.LOADING
     h.core.check()
 
 
@@ -274,6 +303,27 @@ def test_draining_waits_for_its_turn_then_dooms_the_least_recently_requested_fir
         h.ack(held[key].entry)
     assert waiter.entry.state is State.LOADING
     h.core.check()
+
+
+def test_draining_stops_as_soon_as_the_shortfall_is_covered_exactly() -> None:
+    h, _held = crowded()
+    h.core.request(h.owner, "w", {"m": 40}, "u")  # 10 B free: short of exactly 30
+    h.drain()
+    serve_requests(h, 3)
+    assert draining(h) == {"b"}
+
+
+def test_draining_looks_past_leased_entries_of_other_spaces() -> None:
+    h = Harness({"m": 100, "n": 100})
+    h.core.fair_requests = 3
+    elsewhere = load(h, "elsewhere", {"n": 50}, task="e")  # leased first, in another space
+    for key in "ab":
+        load(h, key, {"m": 50}, task=f"task-{key}")
+    h.core.request(h.owner, "w", {"m": 50}, "u")
+    h.drain()
+    serve_requests(h, 3)
+    assert draining(h) == {"a"}
+    assert elsewhere.entry.doomed is None
 
 
 def test_draining_spares_pinned_entries_and_those_of_a_higher_priority() -> None:
@@ -393,4 +443,26 @@ def test_a_holders_request_left_to_its_own_leases_by_a_failed_release_is_refused
     assert isinstance(ticket.outcome, DeadlockError)
     assert "more" not in h.owner.entries or h.owner.entries["more"].state is State.GONE
     h.end(mine)
+    h.core.check()
+
+
+# ----------------------------------------------------------------------- overdraft
+
+
+def test_an_overdraft_is_repaid_with_what_idle_entries_there_are_even_if_short() -> None:
+    """A load measured 40 B over what it declared: the 20 B idle go at once, though
+    they repay only half; the rest waits for the lease to end."""
+    h = Harness({"m": 100})
+    spare = idle(h, "spare", {"m": 20})
+    held = load(h, "held", {"m": 40}, task="x")
+    big = h.core.request(h.owner, "big", {"m": 30}, "u")
+    h.drain()
+    h.finish(big.entry, measured={"m": 70})
+    assert releases(h) == ["spare"]
+    h.ack(spare)
+    assert h.used() == 110
+    h.end(held)  # the rest of the overdraft
+    assert releases(h) == ["spare", "held"]
+    h.ack(held.entry)
+    assert h.used() == 70
     h.core.check()
