@@ -324,6 +324,8 @@ def test_take_covering_counts_the_last_byte() -> None:
     assert keys(_take_covering(iter(items), {"m": 10}, 1)) == ["a", "b"]
     items = entries(("a", {"m": 7}), ("b", {"m": 7}), ("c", {"m": 7}))
     assert keys(_take_covering(iter(items), {"m": 10}, 1)) == ["a", "b"]
+    items = entries(("b", {"b": 5}), ("a", {"a": 1}))
+    assert keys(_take_covering(iter(items), {"a": 1, "b": 5}, 1)) == ["b", "a"]
 
 
 # -- CostAware: the cheapest cover among its candidates ------------------------
@@ -495,6 +497,32 @@ def test_cheapest_cover_keeps_the_greedy_cover_on_a_tie() -> None:
     pool: list[PolicyEntry] = [Item("h1", {"m": 5}), Item("h2", {"m": 5}), Item("whole", {"m": 10})]
     chosen = _cheapest_cover(pool, {"m": 10}, value_of({"h1": 0.5, "h2": 0.5, "whole": 1.0}))
     assert keys(chosen) == ["h1", "h2"]
+
+
+def test_cost_policy_weighs_the_reload_costs_themselves() -> None:
+    """big (1.9) is cheaper to reload than s1 and s2 together (2.0)."""
+    policy = CostAware(half_life=4.0)
+    items = [
+        Item("big", {"m": 10}, cost=1.9),
+        Item("s1", {"m": 5}, cost=1.0),
+        Item("s2", {"m": 5}, cost=1.0),
+    ]
+    settle(policy, items)
+    assert keys(policy.victims({"m": 10})) == ["big"]
+
+
+@pytest.mark.parametrize("heap_above", HEAPS)
+def test_cost_policy_candidates_are_idle_entries_only(heap_above: int | None) -> None:
+    """candidates=1, so the pool comes from the walk of the ranks: the leased entry,
+    ranked first, is passed (once in each heap it is in)."""
+    policy = CostAware(half_life=4.0, candidates=1)
+    if heap_above is not None:
+        policy.heap_above = heap_above
+    leased = per_byte("leased", {"a": 10, "b": 10}, 0.01)
+    items = [leased, per_byte("a", {"a": 10}, 0.1), per_byte("b", {"b": 10}, 0.2)]
+    settle(policy, items, leased=[leased])
+    assert keys(policy.victims({"a": 10})) == ["a"]
+    assert sorted(keys(policy.victims({"a": 10, "b": 10}))) == ["a", "b"]
 
 
 def test_cost_policy_compares_entries_long_unrequested() -> None:
