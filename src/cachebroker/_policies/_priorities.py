@@ -111,11 +111,7 @@ class Priorities(PolicyBase):
         """
         remaining = {space: need for space, need in shortfall.items() if need > 0}
         chosen: list[PolicyEntry] = []
-        for priority in sorted(self.policies):
-            if not remaining:
-                break
-            if up_to is not None and priority > up_to:
-                break
+        for priority in sorted(p for p in self.policies if up_to is None or p <= up_to):
             idle = [e for e in self._idle[priority] if not remaining.keys().isdisjoint(e.charge)]
             if not idle:
                 continue
@@ -131,7 +127,9 @@ class Priorities(PolicyBase):
                         remaining[space] -= amount
                         if remaining[space] <= 0:
                             del remaining[space]
-        return chosen if not remaining else []
+            if not remaining:
+                return chosen
+        return []
 
     def evicted(self, victims: Sequence[PolicyEntry], shortfall: Mapping[str, int]) -> None:
         """Tell each priority's policy (if it listens) which of its entries are evicted,

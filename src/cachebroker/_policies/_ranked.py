@@ -91,9 +91,7 @@ class _Ranked(PolicyBase):
             self._heaps = {}
             self._heaped = False
 
-    def _lowest(
-        self, shortfall: Mapping[str, int]
-    ) -> Generator[tuple[float, PolicyEntry], None, None]:
+    def _lowest(self, shortfall: Mapping[str, int]) -> Generator[PolicyEntry, None, None]:
         """Idle entries of the short spaces, lowest rank first (each once).
 
         Leased entries met on the way are put back when the iteration ends.
@@ -109,10 +107,10 @@ class _Ranked(PolicyBase):
                 if space in entry.charge
             )
             seen_once: set[PolicyEntry] = set()
-            for rank, _, entry in ranked:
+            for _, _, entry in ranked:
                 if entry not in seen_once:
                     seen_once.add(entry)
-                    yield rank, entry
+                    yield entry
             return
         heaps = [self._heaps.get((space, ranking), []) for space in short]
         set_aside: list[tuple[list[_HeapItem], _HeapItem]] = []
@@ -133,7 +131,7 @@ class _Ranked(PolicyBase):
                 entry = item[2]
                 if entry.idle and entry not in seen:
                     seen.add(entry)
-                    yield item[0], entry
+                    yield entry
         finally:
             for heap, item in set_aside:
                 heapq.heappush(heap, item)
@@ -175,8 +173,7 @@ class GDSF(_Ranked):
     def victims(self, shortfall: Mapping[str, int]) -> list[PolicyEntry]:
         """The lowest-priority idle entries until covered (the clock stays: ``evicted``)."""
         with closing(self._lowest(shortfall)) as lowest:
-            ranked = [entry for _, entry in _take_covering(lowest, shortfall)]
-        return cover(iter(ranked), shortfall)
+            return cover(lowest, shortfall)
 
     def evicted(self, victims: Sequence[PolicyEntry], shortfall: Mapping[str, int]) -> None:
         """The clock rises to the highest priority among the evicted ``victims``.
@@ -425,8 +422,7 @@ class CostAware(_Ranked):
             pool = [entry for entry in self._version if entry.idle]
         else:
             with closing(self._lowest(shortfall)) as lowest:
-                taken = _take_covering(lowest, shortfall, self.candidates)
-            pool = [entry for _, entry in taken]
+                pool = _take_covering(lowest, shortfall, self.candidates)
         if not pool:
             return []
         # Values relative to the least, from their logs: the choice depends on
@@ -438,15 +434,16 @@ class CostAware(_Ranked):
 
 
 def _take_covering(
-    ranked: Iterator[tuple[float, PolicyEntry]], shortfall: Mapping[str, int], at_least: int = 0
-) -> list[tuple[float, PolicyEntry]]:
-    """The lowest-ranked entries: at least ``at_least`` of them, and enough to cover."""
+    ranked: Iterator[PolicyEntry], shortfall: Mapping[str, int], at_least: int
+) -> list[PolicyEntry]:
+    """The first of the ``ranked`` entries: at least ``at_least`` of them, and enough
+    to cover; past ``at_least``, only those charged in a space still short."""
     remaining = {space: need for space, need in shortfall.items() if need > 0}
-    taken: list[tuple[float, PolicyEntry]] = []
-    for rank, entry in ranked:
+    taken: list[PolicyEntry] = []
+    for entry in ranked:
         if remaining.keys().isdisjoint(entry.charge) and len(taken) >= at_least:
             continue
-        taken.append((rank, entry))
+        taken.append(entry)
         for space, amount in entry.charge.items():
             if space in remaining:
                 remaining[space] -= amount
@@ -467,21 +464,22 @@ def _cheapest_cover(
     values = {entry: value(entry) for entry in pool}
     # The fraction of the shortfall each entry covers.
     weights = {e: sum(min(e.charge.get(s, 0), n) / n for s, n in need.items()) for e in pool}
-    by_density = sorted((e for e in pool if weights[e] > 0), key=lambda e: values[e] / weights[e])
+    by_density = sorted((e for e in pool if weights[e]), key=lambda e: values[e] / weights[e])
 
-    # What is still missing of the shortfall, and each entry's bytes, in a form
+    # What is still missing of the shortfall, and the bytes of each entry that
+    # can be chosen (by_density: those charged in a short space), in a form
     # whose arithmetic runs in C: plain ints for one short space (the usual
     # case), tuples per space otherwise. This is the policy's hot spot.
     amounts: dict[PolicyEntry, Any]
     if len(need) == 1:
         ((space, total),) = need.items()
-        amounts = {e: e.charge.get(space, 0) for e in pool}
+        amounts = {e: e.charge[space] for e in by_density}
         needed: Any = total
         minus: Callable[[Any, Any], Any] = operator.sub
         plus: Callable[[Any, Any], Any] = operator.add
         short: Callable[[Any], bool] = (0).__lt__
     else:
-        amounts = {e: tuple(e.charge.get(space, 0) for space in need) for e in pool}
+        amounts = {e: tuple(e.charge.get(space, 0) for space in need) for e in by_density}
         needed = tuple(need.values())
 
         def minus(a: Any, b: Any) -> Any:
