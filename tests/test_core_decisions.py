@@ -188,6 +188,26 @@ def test_a_place_blocked_by_a_request_of_a_higher_priority_is_not_open_to_a_lowe
     h.core.check()
 
 
+def test_room_being_freed_is_taken_before_an_eviction_that_costs_nothing() -> None:
+    """Freeing gpu0 would cost no reload time, but gpu1 will have room anyway:
+    nothing is evicted."""
+    h = gpus()
+    idle(h, "free", {"gpu0": 100}, cost=0.0)
+    idle(h, "going", {"gpu1": 100})
+    h.core.invalidate(h.owner, "going")
+    h.drain()
+    ticket = place(h, "p", 60)
+    assert ticket.entry.need == {"gpu1": 60} and releases(h) == ["going"]
+
+
+def test_the_cheaper_first_place_is_kept_over_a_dearer_later_one() -> None:
+    h = gpus()
+    idle(h, "a", {"gpu0": 100}, cost=1.0)
+    idle(h, "b", {"gpu1": 100}, cost=5.0)
+    place(h, "p", 60)
+    assert releases(h) == ["a"]
+
+
 # ------------------------------------------------------------ the grants of one pass
 
 
@@ -324,6 +344,48 @@ def test_draining_looks_past_leased_entries_of_other_spaces() -> None:
     serve_requests(h, 3)
     assert draining(h) == {"a"}
     assert elsewhere.entry.doomed is None
+
+
+def hits(h: Harness, n: int, *, end: bool = True) -> list[Ticket]:
+    """``n`` hits on an entry of another cache: each moves the request clock by one;
+    a lease that ends is when a waiter's turn to drain is looked at."""
+    other = h.core.owners.get("other") or h.core.open_owner("other")
+    if "tiny" not in other.entries:
+        first = h.core.request(other, "tiny", {}, "w")
+        h.drain()
+        h.finish(first.entry)
+        h.end(first)
+    tickets = []
+    for i in range(n):
+        ticket = h.core.request(other, "tiny", None, f"hit-{i}")
+        h.drain()
+        assert ticket.outcome is True  # a hit
+        if end:
+            h.end(ticket)
+        tickets.append(ticket)
+    return tickets
+
+
+def test_draining_starts_exactly_at_its_turn() -> None:
+    h, _held = crowded()
+    hits(h, 0)  # (the entry hit is loaded before the waiter asks)
+    h.core.request(h.owner, "w", {"m": 50}, "u")
+    h.drain()
+    hits(h, 1)
+    assert draining(h) == set()
+    hits(h, 1)  # fair_requests (3) requests since it was queued, its own the first
+    assert draining(h) == {"b", "c"}
+
+
+def test_a_turn_passed_unnoticed_is_taken_at_the_next_lease_end() -> None:
+    h, _held = crowded()
+    hits(h, 0)
+    h.core.request(h.owner, "w", {"m": 50}, "u")
+    h.drain()
+    held = hits(h, 5, end=False)  # past its turn, and no lease ended meanwhile
+    assert draining(h) == set()
+    h.end(held[0])
+    assert draining(h) == {"b", "c"}
 
 
 def test_draining_spares_pinned_entries_and_those_of_a_higher_priority() -> None:
