@@ -46,6 +46,7 @@ from ._model import (
     _shrink_if_empty,
 )
 from ._scheduler import refuse_self_waits, schedule
+from ._seam import Seam
 
 __all__ = ["Core"]
 
@@ -164,6 +165,7 @@ class Core:
         "canon",
         "canon_names",
         "closed",
+        "counts_loads",
         "demotions",
         "effects",
         "evictions",
@@ -187,6 +189,7 @@ class Core:
         "queue",
         "releases_failed",
         "retain",
+        "seam",
         "sizes",
         "spaces",
         "tick",
@@ -295,6 +298,11 @@ class Core:
         #: Requests served after a waiter blocked by leased entries before they
         #: are drained for it (``_scheduler.drain``).
         self.fair_requests = FAIR_REQUESTS
+        #: The other process's side of these books, if any (``_seam``): told of
+        #: the changes it must know, and asked what only it knows.
+        self.seam: Seam | None = None
+        #: Whether finished loads are counted per key (``load_history``).
+        self.counts_loads = True
 
     @property
     def hits(self) -> int:
@@ -332,7 +340,8 @@ class Core:
         is queued once nothing of the owner remains.
         """
         owner.closing = True
-        for entry in list(owner.live):
+        live = list(owner.live)
+        for entry in live:
             if entry.state in (State.WAITING, State.LOADING):
                 self._fail_joiners(entry, _naming(error, entry))
                 if entry.state is State.WAITING:
@@ -350,6 +359,10 @@ class Core:
                     if entry in self.queue:
                         self._dequeue(entry)
                 self._doom_parked(entry, Reason.CLOSE)
+        if self.seam is not None:
+            for entry in live:
+                if entry.state is State.LOADING:
+                    self.seam.withdrawn(entry)
         self._check_empty(owner)
         schedule(self)
 
@@ -368,6 +381,8 @@ class Core:
             entry.ttl = idle_ttl
         if pin is not None:
             entry.pinned = pin
+            if self.seam is not None:
+                self.seam.changed(entry)
 
     def limit(self, entry: Entry, *, slots: int | None = None, priority: int | None = None) -> None:
         """Set ``entry``'s lease slots and eviction priority (``None``: unchanged).
@@ -386,6 +401,8 @@ class Core:
                     in (State.READY, State.RELEASING, State.MOVING, State.DEMOTED),
                     idle=bool(entry.idle_seq),
                 )
+            if self.seam is not None:
+                self.seam.changed(entry)  # (the other side evicts by it too)
         if slots is not None and slots != entry.slots:
             entry.slots = slots
             if entry.joiners and entry.state is State.READY:
@@ -478,6 +495,8 @@ class Core:
         if entry.state is State.READY and not entry.leases:
             self._rest(entry, now)
             schedule(self)
+        if self.seam is not None:
+            self.seam.changed(entry)
         return True
 
     def hit(self, entry: Entry, task: object, *, bound: bool = False) -> None:
@@ -499,6 +518,13 @@ class Core:
         entry.last_request = tick
         if self._touch is not None:
             self._touch(entry)
+        seam = self.seam
+        if seam is not None:
+            seam.leased(entry)
+            if seam.drains(entry):
+                # Its leases kept overlapping: new requests load afresh (behind
+                # the other side's waiter), and it goes when its last lease ends.
+                self._doom(entry, Reason.CAPACITY)
 
     def _count_request(self, entry: Entry) -> None:
         if self._prefetching:
@@ -743,8 +769,13 @@ class Core:
         entry cancels its load. A ticket already granted is left as it is: its
         lease must be ended with ``lease_end``.
         """
-        if ticket.outcome is not None:
-            return
+        entry = ticket.entry
+        if ticket.outcome is None:
+            self._withdraw(ticket)
+        if self.seam is not None and entry.state is State.LOADING and not entry.joiners:
+            self.seam.withdrawn(entry)
+
+    def _withdraw(self, ticket: Ticket) -> None:
         ticket.outcome = BrokerClosed("request withdrawn")
         entry = ticket.entry
         entry.joiners.remove(ticket)
@@ -807,7 +838,7 @@ class Core:
                 if priority is not None:
                     self.limit(entry, priority=priority)
                 if idle_ttl is not None or pin:
-                    self._retune(entry, idle_ttl, pin, now)
+                    self.retune(entry, idle_ttl, pin, now)
                 elif priority is not None and self.queue:
                     schedule(self)  # a waiter aside may evict it now
                 return None
@@ -828,12 +859,15 @@ class Core:
             self._prefetching = False
             self.misses = misses  # (``_create`` counts a miss)
 
-    def _retune(self, entry: Entry, idle_ttl: float | None, pin: bool, now: float) -> None:
-        """Apply a prefetch's ``idle_ttl`` and ``pin`` to a ready entry, without a lease."""
+    def retune(self, entry: Entry, idle_ttl: float | None, pin: bool, now: float) -> None:
+        """Apply a prefetch's ``idle_ttl`` and ``pin`` to a ready entry, without a lease
+        (or the pin its process reports, for the daemon's books)."""
         if idle_ttl is not None:
             entry.ttl = idle_ttl
         if entry.leases:  # they apply when its last lease ends
             entry.pinned = entry.pinned or pin
+            if self.seam is not None:
+                self.seam.changed(entry)
             return
         # Idle (or about to be): out of the idle books, and back in from now,
         # so that a new idle TTL counts from the prefetch.
@@ -844,6 +878,8 @@ class Core:
         entry.pinned = entry.pinned or pin
         self._rest(entry, now)
         schedule(self)
+        if self.seam is not None:
+            self.seam.changed(entry)
 
     def _create(
         self,
@@ -1141,6 +1177,8 @@ class Core:
 
     def _remember_load(self, entry: Entry, seconds: float) -> None:
         """Count a finished load of ``entry``'s key, remembered across evictions."""
+        if not self.counts_loads:
+            return
         loads, _ = self.load_history.get((entry.cache, entry.key), (0, 0.0))
         _keep(self.load_history, (entry.cache, entry.key), (loads + 1, seconds))
 
@@ -1218,6 +1256,8 @@ class Core:
             else:
                 owner.entries[entry.key] = entry
         _reach.sync(entry)
+        if self.seam is not None:
+            self.seam.loaded(entry)
         if rejected is not None:
             self._fail_joiners(entry, rejected)
         self._lease_joiners(entry)
@@ -1383,6 +1423,8 @@ class Core:
         entry.nested = []
         self._open_gate(entry)
         self._check_empty(owner)
+        if self.seam is not None:
+            self.seam.changed(entry)
         schedule(self)
 
     def load_failed(self, entry: Entry, error: BaseException, *, cancelled: bool = False) -> None:
@@ -1473,8 +1515,7 @@ class Core:
                 # Its cache closed while it was leased: quarantined (or written
                 # off since). Nobody can release it; let the value go.
                 entry.value = None
-                return
-            if (
+            elif (
                 self.queue
                 or self._overdrawn
                 or entry.doomed
@@ -1488,6 +1529,8 @@ class Core:
             else:  # Nobody waits: let it become idle when the books are next read.
                 entry.idle_since = now
                 self._settling[entry] = True
+            if self.seam is not None:
+                self.seam.ended(entry)
         elif self.tick >= self._fair_at:  # Still leased, but a waiter has waited long enough.
             schedule(self)
 
@@ -1565,6 +1608,8 @@ class Core:
             self.spaces[name].releasing += amount
         self.evictions[reason] += 1
         self.effects.append(StartRelease(entry, reason))
+        if self.seam is not None:
+            self.seam.releasing(entry, reason)
 
     def free_for_retry(self, entry: Entry) -> list[Entry]:
         """A load ran out of memory: start releasing the next victim; return it.
@@ -1624,6 +1669,8 @@ class Core:
                 entry.error = self.quarantined[entry] = error
                 self.effects.append(Quarantined(entry))  # (for good, now: it says why)
                 self._strand()
+                if self.seam is not None:
+                    self.seam.changed(entry)
             return
         self._release_missed(entry, error)
 
@@ -1670,6 +1717,8 @@ class Core:
         self.effects.append(Quarantined(entry))
         if self._holding_waiters:  # less room for good: a holder may now wait on itself
             refuse_self_waits(self)
+        if self.seam is not None:
+            self.seam.quarantined(entry)
 
     def _unquarantine(self, entry: Entry) -> None:
         self.overdue.end(entry)
@@ -1712,6 +1761,8 @@ class Core:
             self._unquarantine(entry)
             entry.state = State.GONE
             schedule(self)
+        if self.seam is not None:
+            self.seam.changed(entry)
 
     def _hand_over(self, entry: Entry) -> None:
         """A finished release lets the key's successor (if any) take the slot."""
@@ -1807,8 +1858,13 @@ class Core:
             entry.doomed = reason
 
     def _drain(self, entry: Entry) -> None:
-        """Leased ``entry``'s bytes are due to a waiter that waited long (``_scheduler.drain``)."""
-        self._doom(entry, Reason.CAPACITY)
+        """Leased ``entry``'s bytes are due to a waiter that waited long (``_scheduler.drain``).
+
+        Drained here, unless the other side of the books sees its leases and
+        was told instead (``Seam.wanted``).
+        """
+        if self.seam is None or not self.seam.wanted(entry):
+            self._doom(entry, Reason.CAPACITY)
 
     def _doom(self, entry: Entry, reason: Reason) -> None:
         """Release ``entry`` now, or, while leased, when its last lease ends.
@@ -1836,6 +1892,11 @@ class Core:
         self._settle()
         if entry.state is State.READY:
             if entry.leases or entry.pinned:
+                seam = self.seam
+                if seam is not None and seam.lets_go(entry) and not entry.pinned:
+                    # Offered idle, leased again before the release asked for
+                    # then arrived: it goes when its last lease ends.
+                    self.let_go(entry, Reason.CAPACITY)
                 return False
             self._start_release(entry, Reason.CAPACITY)
             schedule(self)
@@ -2036,6 +2097,8 @@ class Core:
         owner.live.discard(entry)
         _shrink_if_empty(owner.live)
         self._check_empty(owner)
+        if self.seam is not None:
+            self.seam.gone(entry)
 
     def _check_empty(self, owner: Owner) -> None:
         if owner.closing and not owner.live:

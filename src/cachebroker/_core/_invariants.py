@@ -122,6 +122,7 @@ def check(books: Core) -> None:
 #: Every step the shell takes on the books: what ``check_after_every_step`` wraps.
 STEPS = (
     "abandon",
+    "adopt",
     "clear",
     "close_owner",
     "configure",
@@ -149,7 +150,9 @@ STEPS = (
     "release_failed",
     "release_overdue",
     "release_refused",
+    "reprioritize",
     "request",
+    "retune",
     "set_capacity",
     "sweep",
     "unpin",

@@ -1,7 +1,7 @@
 """A broker in a client process, backed by the machine's shared one (``Broker.connect``).
 
 The client runs the ordinary shell (``Runner``, ``Cache``, ``Lease``) over
-books of its own (``ClientBooks``) whose spaces never run short: they keep
+books of its own (``client_books``) whose spaces never run short: they keep
 this process's leases, loads and releases, and admit at once. What they
 admit waits for the daemon (``Link.admit``) before its loader runs, so a
 process never loads before the daemon granted its bytes. Every change of an
@@ -32,7 +32,7 @@ import attrs
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
-from .._core import FAIR_REQUESTS, UNBOUNDED, Core, Entry, Owner, Reason, State, Ticket
+from .._core import FAIR_REQUESTS, UNBOUNDED, Core, Entry, Reason, State
 from .._errors import BrokerClosed, DeadlockError
 from .._policies import make_policy
 from .._shell._actor import Block
@@ -42,7 +42,7 @@ from . import _protocol as wire
 from ._protocol import ProtocolError
 from ._sockets import connect
 
-__all__ = ["ClientBooks", "ClientRunner", "Link", "Reconnect"]
+__all__ = ["ClientRunner", "ClientSeam", "Link", "Reconnect", "client_books"]
 
 #: Seconds to connect and be welcomed, to be told the daemon's totals, and to
 #: send what is left when the broker closes.
@@ -66,120 +66,39 @@ _LOST = (
 )
 
 
-def _unlinked(entry: Entry) -> None:
-    """What the books call before a link is made: nothing to report to."""
+class ClientSeam:
+    """This process's side of books shared with a daemon (``Seam``): it marks every change.
 
-
-class ClientBooks(Core):
-    """This process's books under a shared broker: they admit at once and mark every change.
-
-    ``changed(entry)`` is called whenever the daemon's view of ``entry``
-    may have to change; what changed is worked out when the next batch is
-    sent.
+    The books admit at once (``client_books``); ``mark(entry)`` is called
+    whenever the daemon's view of ``entry`` may have to change, and what
+    changed is worked out when the next batch is sent (``Link.collect``).
     """
 
-    __slots__ = ("changed", "charges", "offer", "offered", "reasons", "wanted", "withdrawn")
+    __slots__ = ("books", "charges", "due", "mark", "offer", "offered", "reasons", "withdraw")
 
     def __init__(
         self,
-        budget: Mapping[str, int],
-        idle_ttl: float | None,
-        changed: Callable[[Entry], None] = _unlinked,
-        withdrawn: Callable[[Entry], None] = _unlinked,
-        limit: Mapping[str, int] | None = None,
-        offer: Callable[[Entry], None] = _unlinked,
+        mark: Callable[[Entry], None],
+        withdraw: Callable[[Entry], None],
+        offer: Callable[[Entry], None],
     ) -> None:
-        super().__init__(budget, make_policy("lru"), idle_ttl=idle_ttl, retain=True)
-        for space in self.spaces.values():
-            space.capacity = UNBOUNDED  # the daemon's books say no, not these
-            # ... except to a size above a space's whole budget, which fails
-            # here as in-process: before its load, or once measured (the value
-            # is released through its owner, never kept).
-            space.limit = UNBOUNDED if limit is None else limit.get(space.name, UNBOUNDED)
-        self.changed = changed
+        self.mark = mark
         #: Called when every requester of a load left: the daemon must know now,
         #: before any later change of these books (not when the load task notices).
-        self.withdrawn = withdrawn
+        self.withdraw = withdraw
+        self.offer = offer
+        #: The books this is the seam of (``client_books``): for their request clock.
+        self.books: Core | None = None
         #: The measured charge of each loaded entry, until the daemon was told it.
         self.charges: dict[Entry, dict[str, int]] = {}
         #: Why each releasing entry is released.
         self.reasons: dict[Entry, Reason] = {}
         #: Leased entries the shared broker wants (``want``), and the request
         #: clock at which they are drained if their leases keep overlapping.
-        self.wanted: dict[Entry, int] = {}
+        self.due: dict[Entry, int] = {}
         #: Wanted entries whose last lease ended, reported idle at once (``offer``):
         #: a release asked for now is accepted, even if leased again meanwhile.
         self.offered: dict[Entry, None] = {}
-        self.offer = offer
-
-    def hit(self, entry: Entry, task: object, *, bound: bool = False) -> None:
-        if not entry.leases:
-            self.changed(entry)
-        Core.hit(self, entry, task, bound=bound)
-        wanted = self.wanted
-        if wanted and entry in wanted and wanted[entry] <= self.tick:
-            # Its leases kept overlapping: new requests load afresh (behind the
-            # shared broker's waiter), and it goes when its last lease ends.
-            del self.wanted[entry]
-            self._doom(entry, Reason.CAPACITY)
-
-    def leave(self, ticket: Ticket) -> None:
-        Core.leave(self, ticket)
-        entry = ticket.entry
-        if entry.state is State.LOADING and not entry.joiners:
-            self.withdrawn(entry)
-
-    def close_owner(self, owner: Owner, error: BaseException) -> None:
-        loading = [entry for entry in owner.live if entry.state is State.LOADING]
-        Core.close_owner(self, owner, error)
-        for entry in loading:
-            self.withdrawn(entry)
-
-    def lease_end(self, entry: Entry, task: object, now: float) -> None:
-        Core.lease_end(self, entry, task, now)
-        if not entry.leases:
-            self.changed(entry)
-            if self.offered:
-                self.offered.pop(entry, None)
-            wanted = self.wanted and self.wanted.pop(entry, None) is not None
-            if wanted and entry.state is State.READY:
-                self.offered[entry] = None
-                self.offer(entry)
-
-    def give_up(self, entry: Entry) -> bool:
-        if Core.give_up(self, entry):
-            return True
-        if entry in self.offered:
-            # Offered idle, leased again before the release asked for then arrived:
-            # it goes when its last lease ends.
-            del self.offered[entry]
-            if not entry.pinned:
-                self.let_go(entry, Reason.CAPACITY)
-        return False
-
-    def limit(self, entry: Entry, *, slots: int | None = None, priority: int | None = None) -> None:
-        before = entry.priority
-        Core.limit(self, entry, slots=slots, priority=priority)
-        if entry.priority != before:
-            self.changed(entry)  # the shared broker evicts by it too (``Link.collect``)
-
-    def configure(
-        self, entry: Entry, *, idle_ttl: float | None = None, pin: bool | None = None
-    ) -> None:
-        Core.configure(self, entry, idle_ttl=idle_ttl, pin=pin)
-        if pin is not None:
-            self.changed(entry)
-
-    def _retune(self, entry: Entry, idle_ttl: float | None, pin: bool, now: float) -> None:
-        Core._retune(self, entry, idle_ttl, pin, now)
-        self.changed(entry)
-
-    def unpin(self, owner: Owner, key: Hashable, now: float) -> bool:
-        unpinned = Core.unpin(self, owner, key, now)
-        entry = owner.entries.get(key)
-        if unpinned and entry is not None:
-            self.changed(entry)
-        return unpinned
 
     def want(self, entry: Entry) -> None:
         """The shared broker has a request blocked by leased ``entry`` (``want``).
@@ -189,62 +108,107 @@ class ClientBooks(Core):
         next hit can fall in one batch): that moment is reported at once
         (``offered``) and a release asked for then is accepted, the entry
         going when its last lease ends. Leases that keep overlapping are
-        drained after ``FAIR_REQUESTS`` requests, as in-process.
+        drained after ``FAIR_REQUESTS`` requests, as in-process (``drains``).
         """
+        assert self.books is not None
         if (
             entry.state is State.READY
             and entry.leases
             and not entry.pinned
             and entry.doomed is None
-            and entry not in self.wanted
+            and entry not in self.due
         ):
-            self.wanted[entry] = self.tick + FAIR_REQUESTS
+            self.due[entry] = self.books.tick + FAIR_REQUESTS
 
-    def load_done(self, entry: Entry, value: Any, *args: Any, **kwargs: Any) -> None:
-        loading = entry.state is State.LOADING
-        Core.load_done(self, entry, value, *args, **kwargs)
-        if loading:
-            self.charges[entry] = dict(entry.charge)
-            self.changed(entry)
+    # The seam's announcements.
 
-    def load_abandoned(self, entry: Entry) -> None:
-        Core.load_abandoned(self, entry)
-        self.changed(entry)
+    def changed(self, entry: Entry) -> None:
+        self.mark(entry)
 
-    def forget(self, entry: Entry) -> None:
-        Core.forget(self, entry)
-        self.changed(entry)
+    def leased(self, entry: Entry) -> None:
+        if entry.leases == 1:
+            self.mark(entry)
 
-    def _start_release(self, entry: Entry, reason: Reason) -> None:
-        self.reasons[entry] = reason
-        if self.wanted:
-            self.wanted.pop(entry, None)
+    def ended(self, entry: Entry) -> None:
+        self.mark(entry)
         if self.offered:
             self.offered.pop(entry, None)
-        Core._start_release(self, entry, reason)
-        self.changed(entry)
+        wanted = self.due and self.due.pop(entry, None) is not None
+        if wanted and entry.state is State.READY:
+            self.offered[entry] = None
+            self.offer(entry)
 
-    def release_failed(self, entry: Entry, error: BaseException) -> None:
-        overdue = entry in self.overdue
-        Core.release_failed(self, entry, error)
-        if overdue:
-            self.changed(entry)  # (its release, past its timeout, raised after all)
+    def loaded(self, entry: Entry) -> None:
+        self.charges[entry] = dict(entry.charge)
+        self.mark(entry)
 
-    def _quarantine(self, entry: Entry, error: BaseException) -> None:
+    def withdrawn(self, entry: Entry) -> None:
+        self.withdraw(entry)
+
+    def releasing(self, entry: Entry, reason: Reason) -> None:
+        self.reasons[entry] = reason
+        self._unwant(entry)
+        self.mark(entry)
+
+    def quarantined(self, entry: Entry) -> None:
         if entry not in self.reasons:
             # Quarantined with no release started: its cache closed while it was
             # leased (``abandon``) or while its thread loaded it; the report says so.
             self.reasons[entry] = entry.doomed or Reason.CLOSE
-        Core._quarantine(self, entry, error)
-        self.changed(entry)
+        self.mark(entry)
 
-    def _gone(self, entry: Entry) -> None:
-        Core._gone(self, entry)
-        self.changed(entry)
-        if self.wanted:
-            self.wanted.pop(entry, None)
+    def gone(self, entry: Entry) -> None:
+        self.mark(entry)
+        self._unwant(entry)
+
+    def _unwant(self, entry: Entry) -> None:
+        if self.due:
+            self.due.pop(entry, None)
         if self.offered:
             self.offered.pop(entry, None)
+
+    # The seam's questions.
+
+    def wanted(self, entry: Entry) -> bool:
+        return False  # (drained here: this process sees every lease)
+
+    def drains(self, entry: Entry) -> bool:
+        due = self.due
+        if due and entry in due:
+            assert self.books is not None
+            if due[entry] <= self.books.tick:
+                del due[entry]
+                return True
+        return False
+
+    def lets_go(self, entry: Entry) -> bool:
+        if entry in self.offered:
+            del self.offered[entry]
+            return True
+        return False
+
+
+def client_books(
+    budget: Mapping[str, int],
+    idle_ttl: float | None,
+    limit: Mapping[str, int] | None = None,
+    *,
+    seam: ClientSeam | None = None,
+) -> Core:
+    """This process's books under a shared broker: their spaces never run short.
+
+    The daemon's books say no, not these; except to a size above a space's
+    whole budget (``limit``), which fails here as in-process: before its load,
+    or once measured (the value is released through its owner, never kept).
+    """
+    books = Core(budget, make_policy("lru"), idle_ttl=idle_ttl, retain=True)
+    for space in books.spaces.values():
+        space.capacity = UNBOUNDED
+        space.limit = UNBOUNDED if limit is None else limit.get(space.name, UNBOUNDED)
+    if seam is not None:
+        seam.books = books
+        books.seam = seam
+    return books
 
 
 #: Reports of an entry on its way out, which say why (``reason``).
@@ -364,6 +328,8 @@ class Link:
         #: had, in order, so that concurrent ``stats()`` each wait for their own.
         self._totals_wait: anyio.Event | None = None
         self._totals_asked = self._totals_had = 0
+        #: This process's side of the books (``client_books``): what it marks is reported.
+        self.seam = ClientSeam(self.mark, self.withdraw, self.offer)
 
     # ------------------------------------------------------------ life cycle
 
@@ -435,13 +401,13 @@ class Link:
     # --------------------------------------------------------------- sending
 
     def mark(self, entry: Entry) -> None:
-        """The books changed ``entry``: report it in the next batch (``ClientBooks.changed``)."""
+        """The books changed ``entry``: report it in the next batch (``ClientSeam``)."""
         self.dirty[entry] = None
         if not self._waking:
             self._wake_writer()
 
     def offer(self, entry: Entry) -> None:
-        """Report ``entry`` idle now, whatever the next batch would say (``ClientBooks.want``)."""
+        """Report ``entry`` idle now, whatever the next batch would say (``ClientSeam.want``)."""
         self.dirty[entry] = None
         self.collect()
         if not self._waking:
@@ -466,7 +432,7 @@ class Link:
             return
         self.dirty = {}
         core = self.runner.core
-        assert isinstance(core, ClientBooks)
+        seam = self.seam
         for entry in dirty:
             told = self.told.get(entry)
             if told is None:
@@ -484,7 +450,7 @@ class Link:
             if priority is not None:
                 message["priority"] = priority
             if told == "loading":
-                charge = core.charges.pop(entry, None)
+                charge = seam.charges.pop(entry, None)
                 if charge is None and now in _HOLDING_BYTES:
                     # Abandoned while its thread still makes the value (its cache
                     # closed), or quarantined with it: the reservation is still taken.
@@ -493,7 +459,7 @@ class Link:
                 # (for ``cachebroker ps``; a daemon that does not know the field ignores it)
                 message["loads"] = core.load_history.get((entry.cache, entry.key), (0, 0.0))[0]
             if now in _LETTING_GO:
-                reason = core.reasons.get(entry)
+                reason = seam.reasons.get(entry)
                 if reason is not None:
                     message["reason"] = reason.value
                 if now == "releasing" and self.asked.pop(entry, False):
@@ -503,7 +469,7 @@ class Link:
                 message["error"] = f"{entry.error!s:.500}"
             if now == "gone":
                 self._forget(entry)
-                core.reasons.pop(entry, None)
+                seam.reasons.pop(entry, None)
                 self.asked.pop(entry, None)
             else:
                 self.told[entry] = now
@@ -566,9 +532,7 @@ class Link:
             elif op == "want":
                 entry = self.by_id.get(wire.field(message, "id", int))
                 if entry is not None:  # (else it is gone: its report is on its way)
-                    core = self.runner.core
-                    assert isinstance(core, ClientBooks)
-                    core.want(entry)
+                    self.seam.want(entry)
             elif op == "why":
                 asked = self._whys.get(wire.field(message, "id", int))
                 if asked is not None:
@@ -683,7 +647,7 @@ class Link:
         """
         runner = self.runner
         core = runner.core
-        assert isinstance(core, ClientBooks)
+        seam = self.seam
         budget = wire.charge(welcome, "budget") or {}
         limit = wire.charge(welcome, "limit") or {}
         for name, space in core.spaces.items():
@@ -716,8 +680,8 @@ class Link:
                 "priority": entry.priority,  # (as it is now: a later acquire's, if any)
                 "loads": core.load_history.get((entry.cache, entry.key), (0, 0.0))[0],
             }
-            core.charges.pop(entry, None)
-            reason = core.reasons.get(entry)
+            seam.charges.pop(entry, None)
+            reason = seam.reasons.get(entry)
             if now in _LETTING_GO and reason is not None:
                 message["reason"] = reason.value
             if now in ("quarantined", "overdue"):
@@ -893,7 +857,7 @@ class ClientRunner(Runner):
         reconnect: Reconnect | None = None,
     ) -> None:
         super().__init__(
-            ClientBooks({}, None),
+            client_books({}, None),
             budget={},
             probes={},
             idle_ttl=None,
@@ -922,9 +886,7 @@ class ClientRunner(Runner):
             idle_ttl = welcome.get("idle_ttl")
             release_timeout = welcome.get("release_timeout")
             limit = wire.charge(welcome, "limit")
-            self.core = ClientBooks(
-                budget, idle_ttl, link.mark, link.withdraw, limit, offer=link.offer
-            )
+            self.core = client_books(budget, idle_ttl, limit, seam=link.seam)
             self.budget = dict(budget)
             self.idle_ttl = idle_ttl
             self.release_timeout = release_timeout

@@ -158,63 +158,87 @@ class DaemonRunner(Runner):
         return [f"process {connection.pid} (cache {cache})"] if entry.holders else []
 
 
-def _nobody(entry: Entry) -> None:
-    """What the books call before the daemon is listening: nothing to tell."""
-
-
-class DaemonBooks(Core):
-    """The daemon's books: a waiter blocked by leased entries says so to their processes.
+class DaemonSeam:
+    """The daemon's side of its books (``Seam``): a waiter blocked by leased entries says so.
 
     In-process, a waiter blocked by leased entries gets their bytes when
     their last lease ends. Here a lease's end and the next hit in the
     owner's process may fall in one batch, or the leases overlap: the daemon
     might never see the entry idle. So it tells the owner's process at once
-    that it wants the entry (``wanted``: the ``want`` message): that process
+    that it wants the entry (``want``: the ``want`` message): that process
     reports the entry's next idle moment even if it leases it again at once,
     and accepts the release asked then; one whose leases overlap drains it
     after ``FAIR_REQUESTS`` requests of its own, as in-process.
     """
 
-    __slots__ = ("wanted", "wanting")
+    __slots__ = ("want", "wanting")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.fair_requests = 0
-        self.wanted: Callable[[Entry], None] = _nobody
+    def __init__(self, want: Callable[[Entry], None]) -> None:
+        self.want = want
         #: Leased entries their processes were told are wanted, until their lease ends.
         self.wanting: dict[Entry, None] = {}
 
-    def _drain(self, entry: Entry) -> None:
+    def wanted(self, entry: Entry) -> bool:
         if entry not in self.wanting:
             self.wanting[entry] = None
-            self.wanted(entry)
+            self.want(entry)
+        return True
 
-    def lease_end(self, entry: Entry, task: object, now: float) -> None:
-        Core.lease_end(self, entry, task, now)
-        if not entry.leases and self.wanting:
-            self.wanting.pop(entry, None)
-
-    def _gone(self, entry: Entry) -> None:
-        Core._gone(self, entry)
+    def ended(self, entry: Entry) -> None:
         if self.wanting:
             self.wanting.pop(entry, None)
 
-    def pin(self, entry: Entry, pinned: bool, now: float) -> None:
-        """Pin or unpin a ready entry, as its process reports it: no lease taken or ended.
+    def gone(self, entry: Entry) -> None:
+        if self.wanting:
+            self.wanting.pop(entry, None)
 
-        Pinned, an idle entry leaves the idle books (no candidate, never a
-        victim); unpinned, an entry with no lease becomes a candidate again.
-        """
-        if pinned:
-            self._retune(entry, None, True, now)
-        else:
-            self.unpin(entry.owner, entry.key, now)
+    # (Every other change reaches the processes from the processes themselves.)
 
-    def _remember_load(self, entry: Entry, seconds: float) -> None:
-        """Nothing to count: each of a process's loads is a key of its own here.
+    def changed(self, entry: Entry) -> None:
+        pass
 
-        The processes count their loads per key and report the count (``ps``).
-        """
+    def leased(self, entry: Entry) -> None:
+        pass
+
+    def loaded(self, entry: Entry) -> None:
+        pass
+
+    def withdrawn(self, entry: Entry) -> None:
+        pass
+
+    def releasing(self, entry: Entry, reason: Reason) -> None:
+        pass
+
+    def quarantined(self, entry: Entry) -> None:
+        pass
+
+    def drains(self, entry: Entry) -> bool:
+        return False  # (the entry's process drains it: it sees every lease)
+
+    def lets_go(self, entry: Entry) -> bool:
+        return False
+
+
+def plug_daemon(books: Core, want: Callable[[Entry], None]) -> DaemonSeam:
+    """Make ``books`` the daemon's: its processes are told what it wants, and they
+    count their own loads (each of a process's loads is a key of its own here)."""
+    seam = DaemonSeam(want)
+    books.seam = seam
+    books.fair_requests = 0
+    books.counts_loads = False
+    return seam
+
+
+def pin(books: Core, entry: Entry, pinned: bool, now: float) -> None:
+    """Pin or unpin a ready entry, as its process reports it: no lease taken or ended.
+
+    Pinned, an idle entry leaves the idle books (no candidate, never a
+    victim); unpinned, an entry with no lease becomes a candidate again.
+    """
+    if pinned:
+        books.retune(entry, None, True, now)
+    else:
+        books.unpin(entry.owner, entry.key, now)
 
 
 class DaemonBroker(Broker):
@@ -226,7 +250,6 @@ class DaemonBroker(Broker):
     """
 
     _Runner = DaemonRunner
-    _Books = DaemonBooks
 
     def __init__(self, budget: Any, *, idle_ttl: float | None = None, **settings: Any) -> None:
         super().__init__(budget, **settings)
@@ -765,8 +788,8 @@ class Connection:
             mirror.held, mirror.holder = True, self.holder
         # Pinned before its lease ends, so that the end leaves it resident.
         pinned = mirror.state == "pinned"
-        if pinned != entry.pinned and isinstance(core, DaemonBooks):
-            core.pin(entry, pinned, now)
+        if pinned != entry.pinned:
+            pin(core, entry, pinned, now)
         if not leased and mirror.held:
             mirror.held = False
             core.lease_end(entry, mirror.holder, now)
@@ -903,9 +926,7 @@ class Daemon:
         #: The owner names in use.
         self.names: set[str] = set()
         self._serials = itertools.count(1)
-        books = self.runner.core
-        if isinstance(books, DaemonBooks):
-            books.wanted = self.want
+        plug_daemon(self.runner.core, self.want)
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
             raise InvalidArgument(f"grace must be a non-negative number of seconds, got {grace!r}")
         self.grace = float(grace)
