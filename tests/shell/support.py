@@ -8,7 +8,7 @@ every step, ``Gated`` a loader that waits to be let through.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
 import anyio
@@ -85,3 +85,18 @@ def counting(result: Any, calls: list[Any]) -> Any:
 
 async def never() -> Any:
     raise AssertionError("this loader must not be called")
+
+
+async def release(key: Hashable, value: Any) -> None:
+    pass
+
+
+class Loads:
+    """A loader that counts its calls and returns a new value each time."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def __call__(self) -> str:
+        self.count += 1
+        return f"value-{self.count}"
