@@ -1,24 +1,27 @@
 """Tiers: an idle value moved down a tier instead of released, and back up for an acquire.
 
-The books driven directly (which entry is demoted or dropped, what is
-charged where while a move runs, promotions queued like loads), then the
-shell on every backend with a plugin that records its moves.
+The books driven directly: which entry is demoted or dropped, what is
+charged where while a move runs, promotions queued like loads, and what the
+shell cannot reach on demand (a demotion waiting to go further down, tiers
+merged mid-move, the misses a joined demotion counts). The shell is in
+``tests/shell/test_tiers.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
-import anyio
 import pytest
 
-from cachebroker import Broker, EntryInfo, InvalidArgument, OutOfSpace
+from cachebroker import OutOfSpace
 from cachebroker._core import Reason, State
 from cachebroker._policies import make_policy
 from tests.harness import Harness
 
 GIB = 1 << 30
+BUDGET = {"gpu": 100, "ram": 100}
+TIERS = {"gpu": "ram"}
+GPU60 = {"gpu": 60}
 
 
 def tiered(**options: Any) -> Harness:
@@ -259,142 +262,6 @@ def test_a_chain_of_tiers_moves_a_value_down_twice() -> None:
     h.core.check()
 
 
-# -- the shell -----------------------------------------------------------------
-
-
-class Plugin:
-    """Values are strings that say where they are; moves and releases are recorded."""
-
-    def __init__(self) -> None:
-        self.moves: list[tuple[Hashable, str]] = []
-        self.released: list[tuple[Hashable, Any]] = []
-        self.fail_moves = False
-
-    async def release(self, key: Hashable, value: Any) -> None:
-        self.released.append((key, value))
-
-    async def move(self, key: Hashable, value: Any, to: str) -> Any:
-        await anyio.lowlevel.checkpoint()
-        if self.fail_moves:
-            raise RuntimeError(f"cannot move {key!r}")
-        self.moves.append((key, to))
-        return f"{key}@{to}"
-
-
-def loader(key: str) -> Any:
-    async def load() -> str:
-        await anyio.lowlevel.checkpoint()
-        return f"{key}@gpu"
-
-    return load
-
-
-async def use(cache: Any, key: str) -> str:
-    async with cache.acquire(key, load=loader(key), size={"gpu": 6 * GIB}) as lease:
-        return str(lease.value)
-
-
-def by_key(infos: list[EntryInfo]) -> dict[Hashable, EntryInfo]:
-    return {info.key: info for info in infos}
-
-
-@pytest.mark.anyio
-async def test_a_model_parked_in_ram_comes_back_without_a_load() -> None:
-    plugin = Plugin()
-    async with (
-        Broker({"gpu": "10GiB", "ram": "20GiB"}, tiers={"gpu": "ram"}) as broker,
-        broker.cache("m", plugin) as cache,
-    ):
-        assert await use(cache, "a") == "a@gpu"
-        assert await use(cache, "b") == "b@gpu"
-        infos = by_key(await broker.entries())
-        assert infos["a"].state == "demoted" and infos["a"].charge == {"ram": 6 * GIB}
-        assert infos["a"].home == {"gpu": 6 * GIB}
-        assert await use(cache, "a") == "a@gpu"  # moved back, not loaded
-        stats = await broker.stats()
-        assert stats.loads == 2 and stats.promotions == 1 and stats.demotions == 2
-        assert stats.demoted == 1 and stats.used == {"gpu": 6 * GIB, "ram": 6 * GIB}
-        assert plugin.moves == [("a", "ram"), ("b", "ram"), ("a", "gpu")]
-        assert plugin.released == []
-        info = by_key(await broker.entries())["a"]
-        assert info.promote_seconds is not None and info.home is None
-
-
-@pytest.mark.anyio
-async def test_a_failed_move_is_quarantined_with_both_charges_and_forget_frees_them() -> None:
-    plugin = Plugin()
-    async with (
-        Broker({"gpu": "10GiB", "ram": "20GiB"}, tiers={"gpu": "ram"}) as broker,
-        broker.cache("m", plugin) as cache,
-    ):
-        await use(cache, "a")
-        plugin.fail_moves = True
-        # Only forget() could return the gpu bytes of the quarantined value now.
-        with pytest.raises(OutOfSpace, match=r"m:'a'"):
-            await use(cache, "b")
-        stats = await broker.stats()
-        assert stats.quarantined_keys == (("m", "a"),) and stats.moves_failed == 1
-        assert stats.used == {"gpu": 6 * GIB, "ram": 6 * GIB}
-        assert await broker.forget("m", "a") == 1
-        assert (await broker.stats()).used == {"gpu": 0, "ram": 0}
-        assert await use(cache, "b") == "b@gpu"
-
-
-@pytest.mark.anyio
-async def test_a_releaser_with_a_plain_move_is_refused_when_the_cache_opens() -> None:
-    class Plain:
-        async def release(self, key: Hashable, value: Any) -> None:
-            pass
-
-        def move(self, key: Hashable, value: Any, to: str) -> Any:
-            return value
-
-    async with Broker({"gpu": 100, "ram": 100}, tiers={"gpu": "ram"}) as broker:
-        with pytest.raises(TypeError, match="async def move"):
-            broker.cache("m", Plain())
-
-
-@pytest.mark.parametrize(
-    ("tiers", "message"),
-    [
-        ({"gpu": "disk"}, "not in the budget"),
-        ({"gpu": "gpu"}, "below itself"),
-        ({"gpu": "ram", "ram": "gpu"}, "circle"),
-        (["gpu", "ram"], "map a space"),
-    ],
-)
-def test_bad_tiers_are_refused_with_what_was_wrong(tiers: Any, message: str) -> None:
-    with pytest.raises((InvalidArgument, TypeError), match=message):
-        Broker({"gpu": 100, "ram": 100}, tiers=tiers)
-
-
-def test_tiers_come_from_the_environment() -> None:
-    env = {"CACHEBROKER_BUDGET": "gpu=1GiB,ram=2GiB", "CACHEBROKER_TIERS": " gpu = ram "}
-    assert Broker.from_env(env)._core.tiers == {"gpu": "ram"}
-    for raw, message in [("gpu", "space=lower space"), ("gpu=ram,gpu=ram", "two lower")]:
-        with pytest.raises(InvalidArgument, match=f"CACHEBROKER_TIERS.*{message}"):
-            Broker.from_env({**env, "CACHEBROKER_TIERS": raw})
-    with pytest.raises(InvalidArgument, match="not in the budget"):
-        Broker.from_env({**env, "CACHEBROKER_TIERS": "gpu=disk"})
-
-
-@pytest.mark.anyio
-async def test_a_plain_measured_size_is_charged_where_the_move_went() -> None:
-    async with (
-        Broker({"default": "10GiB", "ram": "20GiB"}, tiers={"default": "ram"}) as broker,
-        broker.cache("m", Plugin()) as cache,
-    ):
-        for key in ("a", "b"):
-            async with cache.acquire(key, load=loader(key), size="6GiB", measure=lambda v: "5GiB"):
-                pass
-        infos = by_key(await broker.entries())
-        assert infos["a"].state == "demoted" and infos["a"].charge == {"ram": 5 * GIB}
-        assert infos["b"].charge == {"default": 5 * GIB}
-        async with cache.acquire("a", load=loader("a"), size="6GiB", measure=lambda v: "5GiB"):
-            pass
-        assert by_key(await broker.entries())["a"].charge == {"default": 5 * GIB}
-
-
 def test_spaces_merged_as_one_memory_mid_move_keep_the_books_exact() -> None:
     h = Harness({"gpu": 100, "gpu-b": 100, "ram": 100}, tiers={"gpu": "ram"}, moves=True)
     load(h, "a")
@@ -448,3 +315,131 @@ def test_a_request_joining_a_move_down_counts_one_miss_and_the_promotion_is_reme
     again = h.acquire("a", {"gpu": 60})  # a new entry of the key: a cold load
     assert again.entry is not a and again.entry.promote_cost == 2.0
     h.core.check()
+
+
+# -- attacks: what the shell cannot reach on demand ------------------------------------
+
+
+def settle(h: Harness) -> None:
+    while h.loading or h.moving or h.releasing:
+        if h.loading:
+            h.finish(h.loading[0])
+        elif h.moving:
+            h.move(h.moving[0][0])
+        else:
+            h.ack(h.releasing[0])
+
+
+def test_a_request_for_a_demoted_entry_waiting_to_go_further_down_promotes_it() -> None:
+    chain = {"gpu": "ram", "ram": "disk"}
+    h = Harness({"gpu": 100, "ram": 100, "disk": 100}, tiers=chain, moves=True)
+    for key, size in [("r", {"disk": 80}), ("a", GPU60), ("b", GPU60)]:
+        ticket = h.acquire(key, size, task=key.upper())
+        settle(h)
+        h.end(ticket)
+    (a,) = [e for e in h.core.entries() if e.key == "a"]
+    assert a.state is State.DEMOTED and a.charge == {"ram": 60}
+    h.acquire("x", {"ram": 60}, task="X")  # a must go to disk, once r's release ends
+    assert a in h.core._demoting
+    again = h.acquire("a", GPU60, task="A2")
+    h.core.check()
+    assert again.outcome is None or a.charge == {"gpu": 60}, (a, a.charge, a.value)
+    settle(h)
+    assert again.outcome is True and a.value.endswith("@gpu"), (a.charge, a.value)
+
+
+def test_a_promotion_forgets_its_lease_holding_requesters() -> None:
+    h = Harness({"gpu": 100, "ram": 150}, tiers=TIERS, moves=True)
+    a = h.acquire("a", GPU60, task="A")
+    settle(h)
+    h.end(a)
+    h.acquire("x", {"gpu": 30}, task="H")  # H holds x in gpu for good
+    settle(h)
+    b = h.acquire("b", {"gpu": 40}, task="B")
+    settle(h)
+    h.end(b)
+    assert a.entry.state is State.DEMOTED
+    again = h.acquire("a", GPU60, task="H")  # H holds a lease in gpu: a "holding" request
+    settle(h)
+    assert again.outcome is True
+    h.end(again)
+    c = h.acquire("c", {"gpu": 70}, task="C")  # a goes down again
+    settle(h)
+    h.end(c)
+    assert a.entry.state is State.DEMOTED
+    # w waits for room that only H's lease can free: gpu is blocked for those behind it.
+    w = h.acquire("w", {"gpu": 80}, task="W")
+    assert w.outcome is None
+    late = h.acquire("a", GPU60, task="D")  # D holds nothing: it waits behind w
+    assert late.outcome is None and not h.releasing and not h.moving, (
+        "a request holding no lease passed an earlier waiter of its space",
+        h.releasing,
+        h.moving,
+    )
+    h.core.check()
+
+
+def merged_mid_move() -> tuple[Harness, Any, Any]:
+    """``a`` moving from gpu to ram for ``b``'s room (``b``'s ticket returned too)."""
+    h = Harness({"gpu": 100, "ram": 150}, tiers=TIERS, moves=True)
+    a = h.acquire("a", GPU60, task="A")
+    settle(h)
+    h.end(a)
+    b = h.acquire("b", GPU60, task="B")
+    assert h.moving == [(a.entry, "ram")]
+    return h, a.entry, b
+
+
+def test_merging_the_tiers_during_a_demotion_keeps_the_books() -> None:
+    h, a, b = merged_mid_move()
+    h.core.merge_spaces("ram", "gpu")
+    h.drain()
+    h.move(a)
+    assert b.entry.state is State.LOADING, (b.entry, h.core.spaces["ram"].used)
+    h.core.check()
+
+
+def test_a_demoted_entry_comes_back_after_its_tiers_merge() -> None:
+    h, a, b = merged_mid_move()
+    settle(h)
+    h.end(b)  # a is demoted in ram, b idle in gpu
+    h.core.merge_spaces("ram", "gpu")
+    h.drain()
+    h.core.check()
+    ticket = h.acquire("a", GPU60, task="A2")
+    settle(h)
+    assert ticket.outcome is True, (a, list(h.core.queue))
+    h.core.check()
+
+
+def test_a_request_joining_a_demotion_counts_as_the_miss_it_is() -> None:
+    h = Harness({"gpu": 100, "ram": 150}, tiers=TIERS, moves=True)
+    a = h.acquire("a", GPU60, task="A")
+    settle(h)
+    h.end(a)
+    h.acquire("b", GPU60, task="B")  # a goes down
+    assert a.entry.state is State.MOVING
+    misses = h.core.misses
+    joined = h.acquire("a", GPU60, task="J")
+    settle(h)
+    assert joined.outcome is None and a.entry in h.core.queue  # it waits for a promotion
+    assert h.core.misses == misses + 1
+
+
+def test_a_prefetch_of_an_entry_whose_demotion_waits_counts_no_request() -> None:
+    h = Harness(BUDGET, tiers=TIERS, moves=True)
+    r = h.acquire("r", {"ram": 80}, task="R")
+    settle(h)
+    h.end(r)
+    a = h.acquire("a", GPU60, task="A")
+    settle(h)
+    h.end(a)
+    h.acquire("b", GPU60, task="B")
+    assert a.entry in h.core._demoting
+    tick = h.core.tick
+    ticket = h.core.prefetch(h.owner, "a", dict(GPU60), "P", h.now)
+    h.drain()
+    assert ticket is None or ticket.outcome is True
+    if ticket is not None:
+        h.end(ticket)
+    assert h.core.tick == tick, "a prefetch counted as a request"

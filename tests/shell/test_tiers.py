@@ -1,12 +1,14 @@
-"""Adversarial tests of memory tiers (``Broker(tiers=...)``, ``Releaser.move``).
+"""Memory tiers in the async shell (``Broker(tiers=...)``, ``Releaser.move``), attacked.
 
-The async shell on every backend: a value moved down a tier and back, acquires
-racing moves (a demotion waiting for room, one in flight, a promotion), the last
-requester of a promotion leaving, moves that raise, cancel themselves, never
-return or call back into the broker, caches closed and entries invalidated,
-cleared or expired mid-move or while demoted, lower tiers full of leases or
-failing their releases, argument errors, the event log and the views. And the
-books driven directly for what the shell cannot reach on demand.
+On every backend: a model parked in RAM comes back without a load, a failed
+move is quarantined, bad tiers are refused. Then the attacks: a value moved
+down a tier and back, acquires racing moves (a demotion waiting for room, one
+in flight, a promotion), the last requester of a promotion leaving, moves that
+raise, cancel themselves, never return or call back into the broker, caches
+closed and entries invalidated, cleared or expired mid-move or while demoted,
+lower tiers full of leases or failing their releases, argument errors, the
+event log and the views. The books, driven directly, are in
+``tests/core/test_tiers.py``.
 """
 
 from __future__ import annotations
@@ -35,29 +37,22 @@ from cachebroker import (
     BrokerError,
     Cache,
     DeadlockError,
+    EntryInfo,
     InvalidArgument,
     OutOfSpace,
     ReleaseFailed,
 )
-from cachebroker._core import State, check_after_every_step
+from cachebroker._core import check_after_every_step
 from cachebroker.sizes import measured
-from tests.harness import Harness
+from tests.helpers import steps_until
 
 BUDGET = {"gpu": 100, "ram": 100}
 TIERS = {"gpu": "ram"}
 GPU60 = {"gpu": 60}
+GIB = 1 << 30
 
 
 # -- helpers ---------------------------------------------------------------------
-
-
-async def wait_until(condition: Callable[[], Any], *, steps: int = 5_000) -> bool:
-    """Let other tasks run until ``condition()`` holds; whether it did (no sleeping)."""
-    for _ in range(steps):
-        if condition():
-            return True
-        await anyio.lowlevel.checkpoint()
-    return bool(condition())
 
 
 def loader(key: Hashable, where: str = "gpu") -> Callable[[], Any]:
@@ -136,6 +131,135 @@ async def demoted(broker: Broker, cache: Cache, key: str = "a") -> None:
     await use(cache, key)
     await use(cache, "b")
     assert states(broker)[key] == ("demoted", {"ram": 60})
+
+
+# -- a model parked in RAM, and the arguments ------------------------------------
+
+
+class Plugin:
+    """Values are strings that say where they are; moves and releases are recorded."""
+
+    def __init__(self) -> None:
+        self.moves: list[tuple[Hashable, str]] = []
+        self.released: list[tuple[Hashable, Any]] = []
+        self.fail_moves = False
+
+    async def release(self, key: Hashable, value: Any) -> None:
+        self.released.append((key, value))
+
+    async def move(self, key: Hashable, value: Any, to: str) -> Any:
+        await anyio.lowlevel.checkpoint()
+        if self.fail_moves:
+            raise RuntimeError(f"cannot move {key!r}")
+        self.moves.append((key, to))
+        return f"{key}@{to}"
+
+
+async def use_model(cache: Any, key: str) -> str:
+    """Acquire ``key`` (6 GiB of gpu) and let it go; its value."""
+    async with cache.acquire(key, load=loader(key), size={"gpu": 6 * GIB}) as lease:
+        return str(lease.value)
+
+
+def by_key(infos: list[EntryInfo]) -> dict[Hashable, EntryInfo]:
+    return {info.key: info for info in infos}
+
+
+@pytest.mark.anyio
+async def test_a_model_parked_in_ram_comes_back_without_a_load() -> None:
+    plugin = Plugin()
+    async with (
+        Broker({"gpu": "10GiB", "ram": "20GiB"}, tiers={"gpu": "ram"}) as broker,
+        broker.cache("m", plugin) as cache,
+    ):
+        assert await use_model(cache, "a") == "a@gpu"
+        assert await use_model(cache, "b") == "b@gpu"
+        infos = by_key(await broker.entries())
+        assert infos["a"].state == "demoted" and infos["a"].charge == {"ram": 6 * GIB}
+        assert infos["a"].home == {"gpu": 6 * GIB}
+        assert await use_model(cache, "a") == "a@gpu"  # moved back, not loaded
+        stats = await broker.stats()
+        assert stats.loads == 2 and stats.promotions == 1 and stats.demotions == 2
+        assert stats.demoted == 1 and stats.used == {"gpu": 6 * GIB, "ram": 6 * GIB}
+        assert plugin.moves == [("a", "ram"), ("b", "ram"), ("a", "gpu")]
+        assert plugin.released == []
+        info = by_key(await broker.entries())["a"]
+        assert info.promote_seconds is not None and info.home is None
+
+
+@pytest.mark.anyio
+async def test_a_failed_move_is_quarantined_with_both_charges_and_forget_frees_them() -> None:
+    plugin = Plugin()
+    async with (
+        Broker({"gpu": "10GiB", "ram": "20GiB"}, tiers={"gpu": "ram"}) as broker,
+        broker.cache("m", plugin) as cache,
+    ):
+        await use_model(cache, "a")
+        plugin.fail_moves = True
+        # Only forget() could return the gpu bytes of the quarantined value now.
+        with pytest.raises(OutOfSpace, match=r"m:'a'"):
+            await use_model(cache, "b")
+        stats = await broker.stats()
+        assert stats.quarantined_keys == (("m", "a"),) and stats.moves_failed == 1
+        assert stats.used == {"gpu": 6 * GIB, "ram": 6 * GIB}
+        assert await broker.forget("m", "a") == 1
+        assert (await broker.stats()).used == {"gpu": 0, "ram": 0}
+        assert await use_model(cache, "b") == "b@gpu"
+
+
+@pytest.mark.anyio
+async def test_a_releaser_with_a_plain_move_is_refused_when_the_cache_opens() -> None:
+    class Plain:
+        async def release(self, key: Hashable, value: Any) -> None:
+            pass
+
+        def move(self, key: Hashable, value: Any, to: str) -> Any:
+            return value
+
+    async with Broker({"gpu": 100, "ram": 100}, tiers={"gpu": "ram"}) as broker:
+        with pytest.raises(TypeError, match="async def move"):
+            broker.cache("m", Plain())
+
+
+@pytest.mark.parametrize(
+    ("tiers", "message"),
+    [
+        ({"gpu": "disk"}, "not in the budget"),
+        ({"gpu": "gpu"}, "below itself"),
+        ({"gpu": "ram", "ram": "gpu"}, "circle"),
+        (["gpu", "ram"], "map a space"),
+    ],
+)
+def test_bad_tiers_are_refused_with_what_was_wrong(tiers: Any, message: str) -> None:
+    with pytest.raises((InvalidArgument, TypeError), match=message):
+        Broker({"gpu": 100, "ram": 100}, tiers=tiers)
+
+
+def test_tiers_come_from_the_environment() -> None:
+    env = {"CACHEBROKER_BUDGET": "gpu=1GiB,ram=2GiB", "CACHEBROKER_TIERS": " gpu = ram "}
+    assert Broker.from_env(env)._core.tiers == {"gpu": "ram"}
+    for raw, message in [("gpu", "space=lower space"), ("gpu=ram,gpu=ram", "two lower")]:
+        with pytest.raises(InvalidArgument, match=f"CACHEBROKER_TIERS.*{message}"):
+            Broker.from_env({**env, "CACHEBROKER_TIERS": raw})
+    with pytest.raises(InvalidArgument, match="not in the budget"):
+        Broker.from_env({**env, "CACHEBROKER_TIERS": "gpu=disk"})
+
+
+@pytest.mark.anyio
+async def test_a_plain_measured_size_is_charged_where_the_move_went() -> None:
+    async with (
+        Broker({"default": "10GiB", "ram": "20GiB"}, tiers={"default": "ram"}) as broker,
+        broker.cache("m", Plugin()) as cache,
+    ):
+        for key in ("a", "b"):
+            async with cache.acquire(key, load=loader(key), size="6GiB", measure=lambda v: "5GiB"):
+                pass
+        infos = by_key(await broker.entries())
+        assert infos["a"].state == "demoted" and infos["a"].charge == {"ram": 5 * GIB}
+        assert infos["b"].charge == {"default": 5 * GIB}
+        async with cache.acquire("a", load=loader("a"), size="6GiB", measure=lambda v: "5GiB"):
+            pass
+        assert by_key(await broker.entries())["a"].charge == {"default": 5 * GIB}
 
 
 # -- the ordinary cycle, and the views -------------------------------------------
@@ -277,7 +401,7 @@ async def test_an_acquire_during_a_demotion_in_flight_waits_then_promotes() -> N
             tg.start_soon(use, cache, "b")
             await mover.started.wait()
             tg.start_soon(again)
-            assert await wait_until(lambda: broker._entries_now()[0].waiting == 1)
+            assert await steps_until(lambda: broker._entries_now()[0].waiting == 1)
             assert states(broker)["a"][0] == "moving"
             mover.gate.set()
         assert got == ["a@gpu"]
@@ -303,10 +427,10 @@ async def test_acquires_during_a_promotion_join_it() -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(again)
-            assert await wait_until(lambda: ("a", "gpu") in mover.moves())
+            assert await steps_until(lambda: ("a", "gpu") in mover.moves())
             for _ in range(3):
                 tg.start_soon(again)
-            assert await wait_until(lambda: broker._entries_now()[0].waiting == 4)
+            assert await steps_until(lambda: broker._entries_now()[0].waiting == 4)
             mover.gate.set()
         assert got == ["a@gpu"] * 4 and mover.moves().count(("a", "gpu")) == 1
         assert broker.stats_nowait().loads == 2
@@ -328,7 +452,7 @@ async def test_an_acquire_during_a_demotion_waiting_for_room_takes_it_back_at_on
         async with anyio.create_task_group() as tg:
             tg.start_soon(b)
             # r's release makes a's room in ram; a waits for it (no move yet).
-            assert await wait_until(lambda: ("r", "r@gpu") in mover.releases())
+            assert await steps_until(lambda: ("r", "r@gpu") in mover.releases())
             assert states(broker)["a"][0] == "moving" and mover.moves() == []
             with anyio.fail_after(5):  # (a hang guard, not a timing)
                 async with cache.acquire("a", load=loader("a"), size=GPU60) as lease:
@@ -365,7 +489,7 @@ async def test_the_last_requester_of_a_queued_promotion_leaving_leaves_it_demote
 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(cancelled)
-                    assert await wait_until(lambda: broker.stats_nowait().waiting == 1)
+                    assert await steps_until(lambda: broker.stats_nowait().waiting == 1)
                     scope.cancel()
                 assert scope.cancelled_caught
             else:
@@ -403,13 +527,13 @@ async def test_the_only_requester_of_a_promotion_in_flight_cancelled_leaves_it_r
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancelled)
-            assert await wait_until(lambda: ("a", "gpu") in mover.moves())
+            assert await steps_until(lambda: ("a", "gpu") in mover.moves())
             scope.cancel()
             await anyio.lowlevel.checkpoint()
             assert states(broker)["a"][0] == "moving"
             mover.gate.set()
         assert scope.cancelled_caught
-        assert await wait_until(lambda: states(broker)["a"] == ("ready", {"gpu": 60}))
+        assert await steps_until(lambda: states(broker)["a"] == ("ready", {"gpu": 60}))
         stats = broker.stats_nowait()
         assert stats.leased == 0 and stats.used == {"gpu": 60, "ram": 60}
         assert await use(cache, "a") == "a@gpu" and stats.loads == 2
@@ -449,11 +573,11 @@ async def test_closing_the_cache_fails_a_queued_promotion_and_releases_the_value
                         failures.append(exc)
 
                 async def let_go_once_closing() -> None:
-                    assert await wait_until(lambda: cache._owner.closing)
+                    assert await steps_until(lambda: cache._owner.closing)
                     await holder.release()
 
                 tg.start_soon(waiter)
-                assert await wait_until(lambda: broker.stats_nowait().waiting == 1)
+                assert await steps_until(lambda: broker.stats_nowait().waiting == 1)
                 tg.start_soon(let_go_once_closing)
         assert len(failures) == 1 and "m:'a'" in str(failures[0])
         assert broker.stats_nowait().used == {"gpu": 0, "ram": 0}
@@ -498,7 +622,7 @@ async def test_a_move_that_raises_quarantines_with_both_charges_and_fails_its_wa
             tg.start_soon(waiter, "b")
             await mover.started.wait()
             tg.start_soon(waiter, "a")
-            assert await wait_until(lambda: broker._entries_now()[0].waiting == 1)
+            assert await steps_until(lambda: broker._entries_now()[0].waiting == 1)
             mover.gate.set()
         assert len(errors) == 2 and all(isinstance(e, BrokerError) for e in errors)
         texts = sorted(str(e) for e in errors)
@@ -553,7 +677,7 @@ async def test_a_move_that_never_returns_times_out_into_quarantine() -> None:
             tg.start_soon(waiter, "b")
             await mover.started.wait()
             tg.start_soon(waiter, "a")
-            assert await wait_until(lambda: broker._entries_now()[0].waiting == 1)
+            assert await steps_until(lambda: broker._entries_now()[0].waiting == 1)
         assert isinstance(errors["a"], ReleaseFailed), errors
         assert "m:'a'" in str(errors["a"]) and "'ram'" in str(errors["a"])
         assert states(broker)["a"] == ("quarantined", {"gpu": 60, "ram": 60})
@@ -579,7 +703,7 @@ async def test_a_move_returning_after_its_timeout_has_its_value_released() -> No
             await use(cache, "b")
         assert states(broker)["a"][0] == "quarantined"
         mover.gate.set()  # the move ends late, its value at ram
-        assert await wait_until(lambda: ("a", "a@ram") in mover.releases())
+        assert await steps_until(lambda: ("a", "a@ram") in mover.releases())
 
 
 @pytest.mark.anyio
@@ -709,7 +833,7 @@ async def test_a_move_that_acquires_a_demoted_key_does_not_wait_on_itself() -> N
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(hold_c)
-            assert await wait_until(lambda: broker.stats_nowait().leased == 1)
+            assert await steps_until(lambda: broker.stats_nowait().leased == 1)
             # b needs a's room (c is leased): a goes down, and its move asks for d,
             # whose promotion queues behind b, which waits for that very move.
             try:
@@ -741,7 +865,7 @@ async def test_closing_the_cache_during_a_move_releases_the_moved_value() -> Non
                         failures.append(exc)
 
                 async def open_gate() -> None:
-                    assert await wait_until(lambda: cache._owner.closing)
+                    assert await steps_until(lambda: cache._owner.closing)
                     assert mover.gate is not None
                     mover.gate.set()
 
@@ -835,7 +959,7 @@ async def test_clear_releases_a_demoted_entry() -> None:
     async with Broker(BUDGET, tiers=TIERS) as broker, broker.cache("m", mover) as cache:
         await demoted(broker, cache)
         await broker.clear()
-        assert await wait_until(lambda: len(mover.releases()) == 2)
+        assert await steps_until(lambda: len(mover.releases()) == 2)
         assert sorted(mover.releases()) == [("a", "a@ram"), ("b", "b@gpu")]
         assert broker.stats_nowait().used == {"gpu": 0, "ram": 0}
         check(broker)
@@ -849,7 +973,7 @@ async def test_clear_waits_for_and_reports_a_demoted_entry() -> None:
         mover.release_gates["a"] = gate = anyio.Event()
 
         async def open_gate() -> None:
-            assert await wait_until(lambda: ("a", "a@ram") in mover.releases())
+            assert await steps_until(lambda: ("a", "a@ram") in mover.releases())
             gate.set()
 
         async with anyio.create_task_group() as tg:
@@ -1081,134 +1205,6 @@ def test_moves_show_through_stdlib_logging_at_info() -> None:
     assert lines.count("INFO:cachebroker:cachebroker.move.start") == lines.count(
         "INFO:cachebroker:cachebroker.move.done"
     )
-
-
-# -- the books, driven directly ---------------------------------------------------------
-
-
-def settle(h: Harness) -> None:
-    while h.loading or h.moving or h.releasing:
-        if h.loading:
-            h.finish(h.loading[0])
-        elif h.moving:
-            h.move(h.moving[0][0])
-        else:
-            h.ack(h.releasing[0])
-
-
-def test_a_request_for_a_demoted_entry_waiting_to_go_further_down_promotes_it() -> None:
-    chain = {"gpu": "ram", "ram": "disk"}
-    h = Harness({"gpu": 100, "ram": 100, "disk": 100}, tiers=chain, moves=True)
-    for key, size in [("r", {"disk": 80}), ("a", GPU60), ("b", GPU60)]:
-        ticket = h.acquire(key, size, task=key.upper())
-        settle(h)
-        h.end(ticket)
-    (a,) = [e for e in h.core.entries() if e.key == "a"]
-    assert a.state is State.DEMOTED and a.charge == {"ram": 60}
-    h.acquire("x", {"ram": 60}, task="X")  # a must go to disk, once r's release ends
-    assert a in h.core._demoting
-    again = h.acquire("a", GPU60, task="A2")
-    h.core.check()
-    assert again.outcome is None or a.charge == {"gpu": 60}, (a, a.charge, a.value)
-    settle(h)
-    assert again.outcome is True and a.value.endswith("@gpu"), (a.charge, a.value)
-
-
-def test_a_promotion_forgets_its_lease_holding_requesters() -> None:
-    h = Harness({"gpu": 100, "ram": 150}, tiers=TIERS, moves=True)
-    a = h.acquire("a", GPU60, task="A")
-    settle(h)
-    h.end(a)
-    h.acquire("x", {"gpu": 30}, task="H")  # H holds x in gpu for good
-    settle(h)
-    b = h.acquire("b", {"gpu": 40}, task="B")
-    settle(h)
-    h.end(b)
-    assert a.entry.state is State.DEMOTED
-    again = h.acquire("a", GPU60, task="H")  # H holds a lease in gpu: a "holding" request
-    settle(h)
-    assert again.outcome is True
-    h.end(again)
-    c = h.acquire("c", {"gpu": 70}, task="C")  # a goes down again
-    settle(h)
-    h.end(c)
-    assert a.entry.state is State.DEMOTED
-    # w waits for room that only H's lease can free: gpu is blocked for those behind it.
-    w = h.acquire("w", {"gpu": 80}, task="W")
-    assert w.outcome is None
-    late = h.acquire("a", GPU60, task="D")  # D holds nothing: it waits behind w
-    assert late.outcome is None and not h.releasing and not h.moving, (
-        "a request holding no lease passed an earlier waiter of its space",
-        h.releasing,
-        h.moving,
-    )
-    h.core.check()
-
-
-def merged_mid_move() -> tuple[Harness, Any, Any]:
-    """``a`` moving from gpu to ram for ``b``'s room (``b``'s ticket returned too)."""
-    h = Harness({"gpu": 100, "ram": 150}, tiers=TIERS, moves=True)
-    a = h.acquire("a", GPU60, task="A")
-    settle(h)
-    h.end(a)
-    b = h.acquire("b", GPU60, task="B")
-    assert h.moving == [(a.entry, "ram")]
-    return h, a.entry, b
-
-
-def test_merging_the_tiers_during_a_demotion_keeps_the_books() -> None:
-    h, a, b = merged_mid_move()
-    h.core.merge_spaces("ram", "gpu")
-    h.drain()
-    h.move(a)
-    assert b.entry.state is State.LOADING, (b.entry, h.core.spaces["ram"].used)
-    h.core.check()
-
-
-def test_a_demoted_entry_comes_back_after_its_tiers_merge() -> None:
-    h, a, b = merged_mid_move()
-    settle(h)
-    h.end(b)  # a is demoted in ram, b idle in gpu
-    h.core.merge_spaces("ram", "gpu")
-    h.drain()
-    h.core.check()
-    ticket = h.acquire("a", GPU60, task="A2")
-    settle(h)
-    assert ticket.outcome is True, (a, list(h.core.queue))
-    h.core.check()
-
-
-def test_a_request_joining_a_demotion_counts_as_the_miss_it_is() -> None:
-    h = Harness({"gpu": 100, "ram": 150}, tiers=TIERS, moves=True)
-    a = h.acquire("a", GPU60, task="A")
-    settle(h)
-    h.end(a)
-    h.acquire("b", GPU60, task="B")  # a goes down
-    assert a.entry.state is State.MOVING
-    misses = h.core.misses
-    joined = h.acquire("a", GPU60, task="J")
-    settle(h)
-    assert joined.outcome is None and a.entry in h.core.queue  # it waits for a promotion
-    assert h.core.misses == misses + 1
-
-
-def test_a_prefetch_of_an_entry_whose_demotion_waits_counts_no_request() -> None:
-    h = Harness(BUDGET, tiers=TIERS, moves=True)
-    r = h.acquire("r", {"ram": 80}, task="R")
-    settle(h)
-    h.end(r)
-    a = h.acquire("a", GPU60, task="A")
-    settle(h)
-    h.end(a)
-    h.acquire("b", GPU60, task="B")
-    assert a.entry in h.core._demoting
-    tick = h.core.tick
-    ticket = h.core.prefetch(h.owner, "a", dict(GPU60), "P", h.now)
-    h.drain()
-    assert ticket is None or ticket.outcome is True
-    if ticket is not None:
-        h.end(ticket)
-    assert h.core.tick == tick, "a prefetch counted as a request"
 
 
 # -- many clients at once -----------------------------------------------------------
