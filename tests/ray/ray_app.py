@@ -1,4 +1,4 @@
-"""A Ray Serve deployment for tests/test_ray_serve.py and benchmarks/ray_serve.py.
+"""A Ray Serve deployment for tests/ray/test_ray_serve.py and benchmarks/ray_serve.py.
 
 Shipped to the replicas by value (``ray.cloudpickle.register_pickle_by_value``),
 so the replicas need not import the tests. Each response carries what the

@@ -2,7 +2,7 @@
 
 Ray starts in a few seconds here (``ray.init(num_cpus=2)``, Serve on
 127.0.0.1). Run alone with ``nox -s ray`` or
-``pytest tests/test_ray_serve.py``; skipped where Ray Serve is not installed
+``pytest tests/ray/test_ray_serve.py``; skipped where Ray Serve is not installed
 (``pip install -e '.[test,ray]'``).
 """
 

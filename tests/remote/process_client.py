@@ -1,4 +1,4 @@
-"""A client process for ``tests/test_processes.py``: ``Broker.connect`` from a real process.
+"""A client process for ``tests/remote/test_processes.py``: ``Broker.connect`` from a real process.
 
 Run as ``python process_client.py BACKEND ADDRESS SIGNALS CONFIG`` (``BACKEND``
 asyncio, uvloop or trio; ``SIGNALS`` a directory where the test creates the

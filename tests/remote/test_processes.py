@@ -1,6 +1,6 @@
 """Several real processes, one shared broker (``cachebroker serve``, ``Broker.connect``).
 
-The clients are subprocesses running ``tests/process_client.py`` (each on one
+The clients are subprocesses running ``tests/remote/process_client.py`` (each on one
 of the three backends in turn), reporting what they do as JSON lines. The
 daemon runs as ``cachebroker serve`` in a subprocess where a test is about
 processes (kill -9, stopping it, the CLI), and in the test's own event loop
