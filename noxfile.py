@@ -56,14 +56,14 @@ def torch(session: nox.Session) -> None:
     session.install("-e", ".", "torch==2.13.0", "numpy", "pytest", "hypothesis", "trio", "uvloop")
     session.run("python", "docs/examples/torch_plugin.py")
     session.run("python", "docs/examples/torch_tiers.py")
-    session.run("pytest", "-q", "tests/test_tiers_torch.py")
+    session.run("pytest", "-q", "tests/shell/test_tiers_torch.py")
 
 
 @nox.session
 def ray(session: nox.Session) -> None:
     """cachebroker.ray on a local Ray cluster: its tests (``-- bench``: and the benchmark)."""
     session.install("-e", ".[test,ray]")
-    session.run("pytest", "-q", "-m", "ray", "tests")
+    session.run("pytest", "-q", "-m", "ray", "tests/ray")
     if "bench" in session.posargs:
         session.run("python", "benchmarks/ray_serve.py")
 

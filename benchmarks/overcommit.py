@@ -14,7 +14,7 @@ few releases fail on purpose, and ``--kill`` SIGKILLs one process mid-run.
 
 Prints the peak against the budget, the operations per second and what the
 acquires came to. The short version of this run is a test
-(``tests/test_processes.py``).
+(``tests/remote/test_processes.py``).
 """
 
 from __future__ import annotations

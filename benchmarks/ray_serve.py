@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests/ray_app.py: the deployments, shared with the tests
+sys.path.insert(0, str(ROOT))  # tests/ray/ray_app.py: the deployments, shared with the tests
 
 
-from tests import ray_app  # noqa: E402
+from tests.ray import ray_app  # noqa: E402
 
 from cachebroker import format_bytes, parse_bytes  # noqa: E402
 from cachebroker.simulator import builtin_workload  # noqa: E402

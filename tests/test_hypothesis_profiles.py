@@ -36,7 +36,7 @@ def test_no_test_overrides_the_determinism_of_the_profile() -> None:
     """Per-test ``settings(...)`` inherit ``derandomize`` and ``database``; nothing seeds."""
     here = Path(__file__).parent
     overrides = []
-    for path in sorted(here.glob("*.py")):
+    for path in sorted(here.rglob("*.py")):
         if path.name == "conftest.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -49,5 +49,5 @@ def test_no_test_overrides_the_determinism_of_the_profile() -> None:
             if (called == "settings" and keywords & {"derandomize", "database"}) or (
                 called == "seed"
             ):
-                overrides.append(f"{path.name}:{node.lineno}")
+                overrides.append(f"{path.relative_to(here)}:{node.lineno}")
     assert overrides == []
