@@ -104,3 +104,21 @@ def socket_path(name: str = "s.sock") -> Iterator[str]:
         yield os.path.join(directory, name)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def watch(module: Any, name: str, books: object, before: Callable[..., None]) -> Callable[[], None]:
+    """Run ``before(*args)`` ahead of each call of ``module.name`` (a transition, as
+    ``_core._transitions.grant``) on ``books``; return what undoes it (a teardown's).
+
+    The books change an entry's state only through ``_transitions``' functions,
+    looked up in the module at each call: a watch there sees every change.
+    """
+    original = getattr(module, name)
+
+    def watched(on: object, *args: Any, **kwargs: Any) -> Any:
+        if on is books:
+            before(*args, **kwargs)
+        return original(on, *args, **kwargs)
+
+    setattr(module, name, watched)
+    return lambda: setattr(module, name, original)

@@ -22,9 +22,10 @@ from hypothesis.stateful import (
 )
 
 from cachebroker import DeadlockError, OutOfSpace, ReleaseFailed
-from cachebroker._core import Entry, Reason, State, Ticket
+from cachebroker._core import Entry, Reason, State, Ticket, _transitions
 from cachebroker._errors import BrokerClosed
 from tests.harness import Harness, waits_aside
+from tests.helpers import watch
 
 MiB = 1 << 20
 
@@ -326,14 +327,7 @@ class FairnessMachine(RuleBasedStateMachine):
         self.tickets: list[Ticket] = []
         self.overdue: list[Entry] = []
         self.violations: list[str] = []
-        core = self.h.core
-        grant = core._grant
-
-        def watched(entry: Entry) -> None:
-            self._check_order(entry)
-            grant(entry)
-
-        core._grant = watched  # type: ignore[method-assign]
+        self.unwatch = watch(_transitions, "grant", self.h.core, self._check_order)
 
     def _check_order(self, later: Entry) -> None:
         core = self.h.core
@@ -525,11 +519,14 @@ class FairnessMachine(RuleBasedStateMachine):
                 ahead.append(waiter)
 
     def teardown(self) -> None:
-        h = self.h
-        for entry in list(self.overdue):
-            h.core.release_done(entry)
-        h.drain()
-        h.core.check()
+        try:
+            h = self.h
+            for entry in list(self.overdue):
+                h.core.release_done(entry)
+            h.drain()
+            h.core.check()
+        finally:
+            self.unwatch()
 
 
 TestFairness = FairnessMachine.TestCase

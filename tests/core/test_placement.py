@@ -33,11 +33,11 @@ from cachebroker import (
     OutOfSpace,
     RequestTooLarge,
 )
-from cachebroker._core import Entry, State, Ticket
+from cachebroker._core import Entry, State, Ticket, _transitions
 from cachebroker._policies import GDSF, make_policy
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 from tests.harness import Harness, waits_aside
-from tests.helpers import socket_path
+from tests.helpers import socket_path, watch
 
 GPUS = ("gpu0", "gpu1")
 
@@ -377,14 +377,7 @@ class PlacementMachine(RuleBasedStateMachine):
         self.asked: dict[Entry, tuple[str, ...]] = {}
         self.quarantined: list[Entry] = []
         self.violations: list[str] = []
-        core = self.h.core
-        grant = core._grant
-
-        def watched(entry: Entry) -> None:
-            self._check_order(entry)
-            grant(entry)
-
-        core._grant = watched  # type: ignore[method-assign]
+        self.unwatch = watch(_transitions, "grant", self.h.core, self._check_order)
 
     def _canon(self, name: str) -> str:
         return self.h.core.canon.get(name, name)
@@ -619,44 +612,47 @@ class PlacementMachine(RuleBasedStateMachine):
             assert amount > space.limit - space.quarantined - own, (ticket.outcome, name, asked)
 
     def teardown(self) -> None:
-        h = self.h
-        for _ in range(400):
-            if h.cancelled:
-                self.loads_honour_cancellation()
-            elif h.loading:
-                h.finish(h.loading[0])
-            elif h.moving:
-                h.move(h.moving[0][0])
-            elif h.releasing:
-                h.ack(h.releasing[0])
-            elif self.quarantined:
-                entry = self.quarantined.pop()
-                if entry.state is State.QUARANTINED:
-                    h.core.release_done(entry)
-                    h.drain()
-            elif any(t.outcome is True for t in self.tickets):
-                ticket = next(t for t in self.tickets if t.outcome is True)
-                self.tickets.remove(ticket)
-                h.end(ticket)
-            elif self.tickets:
-                h.leave(self.tickets.pop())
-            else:
-                break
-            h.core.check()
-            assert not self.violations, self.violations
-        assert not h.core.queue, h.core.queue
-        assert not any(entry.leases for entry in h.core.busy), h.core.busy
-        h.core.clear()
-        h.drain()
-        for _ in range(100):
-            if h.moving:
-                h.move(h.moving[0][0])
-            elif h.releasing:
-                h.ack(h.releasing[0])
-            else:
-                break
-        assert all(space.used == 0 for space in h.core.spaces.values()), h.core.spaces
-        assert not h.owner.live, h.owner.live
+        try:
+            h = self.h
+            for _ in range(400):
+                if h.cancelled:
+                    self.loads_honour_cancellation()
+                elif h.loading:
+                    h.finish(h.loading[0])
+                elif h.moving:
+                    h.move(h.moving[0][0])
+                elif h.releasing:
+                    h.ack(h.releasing[0])
+                elif self.quarantined:
+                    entry = self.quarantined.pop()
+                    if entry.state is State.QUARANTINED:
+                        h.core.release_done(entry)
+                        h.drain()
+                elif any(t.outcome is True for t in self.tickets):
+                    ticket = next(t for t in self.tickets if t.outcome is True)
+                    self.tickets.remove(ticket)
+                    h.end(ticket)
+                elif self.tickets:
+                    h.leave(self.tickets.pop())
+                else:
+                    break
+                h.core.check()
+                assert not self.violations, self.violations
+            assert not h.core.queue, h.core.queue
+            assert not any(entry.leases for entry in h.core.busy), h.core.busy
+            h.core.clear()
+            h.drain()
+            for _ in range(100):
+                if h.moving:
+                    h.move(h.moving[0][0])
+                elif h.releasing:
+                    h.ack(h.releasing[0])
+                else:
+                    break
+            assert all(space.used == 0 for space in h.core.spaces.values()), h.core.spaces
+            assert not h.owner.live, h.owner.live
+        finally:
+            self.unwatch()
 
 
 class LRUPlacement(PlacementMachine):

@@ -130,7 +130,7 @@ def test_a_demotion_that_waits_for_room_is_taken_back_by_an_acquire() -> None:
     load(h, "b")  # a goes down to ram
     h.acquire("c", {"gpu": 60})  # b waits for a's release from ram
     b, a = h.owner.entries["b"], h.owner.entries["a"]
-    assert b.state is State.MOVING and b in h.core._demoting and h.moving == []
+    assert b.state is State.MOVING and b in h.core.demoting and h.moving == []
     again = h.acquire("b", {"gpu": 60})
     assert again.outcome is True and b.state is State.READY and b.charge == {"gpu": 60}
     assert h.core.spaces["gpu"].releasing == 0
@@ -340,7 +340,7 @@ def test_a_request_for_a_demoted_entry_waiting_to_go_further_down_promotes_it() 
     (a,) = [e for e in h.core.entries() if e.key == "a"]
     assert a.state is State.DEMOTED and a.charge == {"ram": 60}
     h.acquire("x", {"ram": 60}, task="X")  # a must go to disk, once r's release ends
-    assert a in h.core._demoting
+    assert a in h.core.demoting
     again = h.acquire("a", GPU60, task="A2")
     h.core.check()
     assert again.outcome is None or a.charge == {"gpu": 60}, (a, a.charge, a.value)
@@ -435,7 +435,7 @@ def test_a_prefetch_of_an_entry_whose_demotion_waits_counts_no_request() -> None
     settle(h)
     h.end(a)
     h.acquire("b", GPU60, task="B")
-    assert a.entry in h.core._demoting
+    assert a.entry in h.core.demoting
     tick = h.core.tick
     ticket = h.core.prefetch(h.owner, "a", dict(GPU60), "P", h.now)
     h.drain()

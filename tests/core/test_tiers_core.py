@@ -177,7 +177,7 @@ class TiersMachine(RuleBasedStateMachine):
         self.tasks += 1
         who = task if task else self.tasks + 100
         before = owner.entries.get(key)
-        was_demoting = before is not None and before in h.core._demoting
+        was_demoting = before is not None and before in h.core.demoting
         was_parked = (
             before is not None
             and before.state in (State.MOVING, State.DEMOTED)
@@ -515,18 +515,18 @@ class TiersMachine(RuleBasedStateMachine):
         note("quiesce")
         self._quiesce()
         core = self.harness.core
-        assert not core.queue and not core._demoting
+        assert not core.queue and not core.demoting
         for entry in core.entries():
             if entry.state is State.QUARANTINED:
                 continue
             assert entry.state in (State.READY, State.DEMOTED), entry
-            assert entry.idle_seq or entry.pinned or entry in core._settling, entry
+            assert entry.idle_seq or entry.pinned or entry in core.settling, entry
         for name in core.canon_names:
             space = core.spaces[name]
             held = sum(e.charge.get(name, 0) for e in core.entries())
             assert space.used == held, (name, space.used, held)
             assert space.releasing == 0, (name, space.releasing)
-            settling = sum(e.charge.get(name, 0) for e in core._settling)
+            settling = sum(e.charge.get(name, 0) for e in core.settling)
             pinned = sum(e.charge.get(name, 0) for e in core.entries() if e.pinned)
             assert space.idle_bytes + settling + pinned == space.used - space.quarantined, name
 
@@ -570,7 +570,7 @@ class TiersMachine(RuleBasedStateMachine):
             space = core.spaces[name]
             if not self.grew:
                 assert space.used <= space.capacity, (name, space.used, space.capacity)
-                assert name not in core._overdrawn, name
+                assert name not in core.overdrawn, name
         for ticket in self.pending:
             assert ticket.outcome is None and ticket in ticket.entry.joiners, ticket.entry
         for ticket in self.held:
@@ -578,7 +578,7 @@ class TiersMachine(RuleBasedStateMachine):
             assert ticket.entry.state in (State.READY, State.QUARANTINED, State.GONE), ticket
             assert ticket.task in ticket.entry.holders, ticket.entry
         in_flight = {
-            e for e in core.entries() if e.state is State.MOVING and e not in core._demoting
+            e for e in core.entries() if e.state is State.MOVING and e not in core.demoting
         }
         assert {e for e, _ in h.moving} == in_flight, (h.moving, in_flight)
         assert len(h.moving) == len(in_flight), h.moving
@@ -686,10 +686,10 @@ def test_a_request_during_a_demotion_waiting_for_room_takes_the_entry_back() -> 
     a = loaded(h, "a", {"gpu": 60})
     b = h.acquire("b", {"gpu": 60}, task="B")
     # The policy makes room in ram for a: r is released, a waits for that room.
-    assert r.state is State.RELEASING and a in h.core._demoting and not h.moving
+    assert r.state is State.RELEASING and a in h.core.demoting and not h.moving
     again = h.acquire("a", {"gpu": 60}, task="A")
     assert again.outcome is True and again.entry is a and a.state is State.READY
-    assert a not in h.core._demoting and not h.moving
+    assert a not in h.core.demoting and not h.moving
     assert h.core.spaces["gpu"].releasing == 0 and b.outcome is None
     h.core.check()
     h.ack(r)
@@ -799,7 +799,7 @@ def test_a_demotion_the_lower_tier_cannot_take_falls_back_to_a_release() -> None
     h.finish(leased.entry)  # ram is full of a leased entry
     a = loaded(h, "a", {"gpu": 60})
     b = h.acquire("b", {"gpu": 60}, task="B")
-    assert a.state is State.RELEASING and not h.moving and not h.core._demoting
+    assert a.state is State.RELEASING and not h.moving and not h.core.demoting
     h.ack(a)
     assert b.entry.state is State.LOADING
     h.core.check()
@@ -810,10 +810,10 @@ def test_a_demotion_waiting_for_failed_releases_gives_up_and_releases() -> None:
     r = loaded(h, "r", {"ram": 80})
     a = loaded(h, "a", {"gpu": 60})
     b = h.acquire("b", {"gpu": 60}, task="B")
-    assert r.state is State.RELEASING and a in h.core._demoting
+    assert r.state is State.RELEASING and a in h.core.demoting
     h.refuse(r)  # ram's room is not coming: a is released instead
     assert r.state is State.QUARANTINED and a.state is State.RELEASING
-    assert not h.core._demoting and h.core.spaces["gpu"].releasing == 60
+    assert not h.core.demoting and h.core.spaces["gpu"].releasing == 60
     h.ack(a)
     assert b.entry.state is State.LOADING
     h.core.check()
@@ -900,7 +900,7 @@ def test_a_demotion_down_a_chain_makes_room_by_demoting_further() -> None:
     a = loaded(h, "a", {"gpu": 60})
     h.acquire("b", {"gpu": 60}, task="B")
     # r goes from ram to disk, a from gpu to ram once r's room is free.
-    assert h.moving == [(r, "disk")] and a in h.core._demoting
+    assert h.moving == [(r, "disk")] and a in h.core.demoting
     assert (h.used("ram"), h.used("disk")) == (80, 80)
     h.move(r)
     assert h.moving == [(a, "ram")]

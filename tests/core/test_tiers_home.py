@@ -155,7 +155,7 @@ def test_a_demotion_waiting_for_room_in_a_tier_merged_with_its_space_is_no_move(
     idle(h, "a", {"gpu": 60})
     b = h.acquire("b", {"gpu": 60})
     a = h.owner.entries["a"]
-    assert a in h.core._demoting and h.releasing == [h.owner.entries["x"]]
+    assert a in h.core.demoting and h.releasing == [h.owner.entries["x"]]
     h.core.merge_spaces("gpu", "ram")
     h.drain()
     assert a.state is State.READY and a.idle and h.moving == []
@@ -412,7 +412,7 @@ def test_a_refused_request_for_a_value_waiting_to_move_further_down_leaves_it_id
     h.move(a)
     h.finish(b.entry)
     c = h.acquire("c", {"ram": 60}, task="U")  # a waits for room in disk (x is released)
-    assert a in h.core._demoting
+    assert a in h.core.demoting
     with pytest.raises(DeadlockError, match="leased by the requesting task itself"):
         h.core.request(h.owner, "a", {"gpu": 60}, "T")  # only T's own b could make room
     h.drain()

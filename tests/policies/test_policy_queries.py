@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import pytest
 
-from cachebroker._core import Entry, Ticket
+from cachebroker._core import Entry, Ticket, _transitions
 from cachebroker._core._scheduler import _place
 from cachebroker._policies import GDSF, LRU, CostAware, PolicyEntry, make_policy
 from cachebroker._policies._priorities import Priorities
@@ -79,7 +79,7 @@ def test_pricing_the_places_twice_gives_the_same_answer_and_changes_no_policy_st
     h = gpus(policy=policy)
     idle(h, "a", {"gpu0": 80}, cost=50.0)
     idle(h, "b", {"gpu1": 80}, cost=5.0)
-    h.core._settle()  # (as every step does first: b's lease ended, it is idle now)
+    _transitions.settle(h.core)  # (as every step does first: b's lease ended, it is idle now)
     if isinstance(policy, CostAware):
         # It folds the requests it logged into its estimates before any search,
         # whatever is asked: caught up first, a search changes nothing more.
@@ -102,7 +102,7 @@ def test_the_gdsf_clock_moves_exactly_when_an_entry_is_evicted() -> None:
     h = gpus(policy=policy)
     a = idle(h, "a", {"gpu0": 80}, cost=50.0)  # priority 0 + 1 x 50 / 80
     b = idle(h, "b", {"gpu1": 80}, cost=5.0)  # priority 0 + 1 x 5 / 80
-    h.core._settle()  # (as every step does first: b's lease ended, it is idle now)
+    _transitions.settle(h.core)  # (as every step does first: b's lease ended, it is idle now)
     assert policy.victims({"gpu0": 60}) == [a] and policy.victims({"gpu1": 60}) == [b]
     assert policy.clock == 0.0  # asked, not evicted
     place(h, "c", 60)  # priced in both places, evicts b

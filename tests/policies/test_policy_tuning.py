@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cachebroker import LRU, CostAware, PolicyEntry
-from cachebroker._core import Reason, Ticket
+from cachebroker._core import Reason, Ticket, _transitions
 from cachebroker.simulator import CATALOGUE, Request, replay
 from tests.harness import Harness
 
@@ -1006,7 +1006,7 @@ class TunedCoreMachine(RuleBasedStateMachine):
         if not entries:
             return
         entry = data.draw(st.sampled_from(entries))
-        self.h.core._settle()  # (free_for_retry settles first: ended leases become idle)
+        _transitions.settle(self.h.core)  # (free_for_retry settles first: ended leases become idle)
         idle = [e for e in self.h.owner.entries.values() if e.idle]
         victims = self.h.core.free_for_retry(entry)
         if all(any(space in e.charge for e in idle) for space in entry.charge):

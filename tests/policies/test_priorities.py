@@ -35,10 +35,10 @@ from cachebroker import (
     PolicyBase,
     PolicyEntry,
 )
-from cachebroker._core import Entry, Reason, State, Ticket
+from cachebroker._core import Entry, Reason, State, Ticket, _transitions
 from cachebroker._policies import make_policy
 from tests.harness import Harness
-from tests.helpers import steps_until
+from tests.helpers import steps_until, watch
 from tests.remote.support import Plugin, serving, value
 from tests.shell.support import Loads, release
 
@@ -454,7 +454,7 @@ def test_a_priority_changed_back_to_the_first_seen_one_ranks_with_it(policy: str
     h.end(ask(h, "a", 10, 3))  # and back to the first one
     h.end(ask(h, "c", 10, 1))
     h.core.check()
-    priorities = h.core._priorities
+    priorities = h.core.priorities
     assert priorities is not None
     assert priorities._home[h.owner.entries["a"]] == 3
     # "c" (1) goes first, whatever the ranking: below both others.
@@ -493,7 +493,7 @@ def test_priorities_changed_while_waiting_loading_leased_and_releasing(policy: s
     h.end(loading)
     h.end(loaded)
     core.check()
-    priorities = core._priorities
+    priorities = core.priorities
     assert priorities is not None
     for entry in core.entries():
         if entry.idle_seq:
@@ -541,6 +541,7 @@ class LimitsMachine(RuleBasedStateMachine):
     """
 
     h: Harness | None = None
+    unwatch: Any = None
 
     @initialize(
         policy=st.sampled_from(POLICIES),
@@ -563,7 +564,6 @@ class LimitsMachine(RuleBasedStateMachine):
         #: Creation order of entries: draws must not depend on set order (ids).
         self.born: dict[Entry, int] = {}
         core = h.core
-        start_release = core._start_release
 
         def checked_release(entry: Entry, reason: Reason) -> None:
             if reason is Reason.CAPACITY and entry.idle_seq:  # (a victim, not a drained one)
@@ -578,13 +578,12 @@ class LimitsMachine(RuleBasedStateMachine):
                             f"evicted {entry!r} ({entry.priority}) while {other!r} "
                             f"({other.priority}) stayed idle"
                         )
-            start_release(entry, reason)
 
-        core._start_release = checked_release  # type: ignore[method-assign]
+        self.unwatch = watch(_transitions, "start_release", core, checked_release)
 
     def _watch_priorities(self) -> None:
         assert self.h is not None
-        priorities = self.h.core._priorities
+        priorities = self.h.core.priorities
         if priorities is None or "victims" in vars(priorities):
             return
         victims = priorities.victims
@@ -848,7 +847,7 @@ class LimitsMachine(RuleBasedStateMachine):
         assert not self.problems, self.problems
         core = self.h.core
         core.check()
-        priorities = core._priorities
+        priorities = core.priorities
         if priorities is not None:
             for entry in core.entries():
                 if entry.idle_seq:
@@ -862,6 +861,10 @@ class LimitsMachine(RuleBasedStateMachine):
                     assert member.priority == priority, (priority, member)
         for ticket in self.pending:
             assert ticket in ticket.entry.joiners, (ticket.entry, ticket.entry.state)
+
+    def teardown(self) -> None:
+        if self.unwatch is not None:
+            self.unwatch()
 
 
 TestLimitsMachine = LimitsMachine.TestCase

@@ -71,8 +71,8 @@ class Books:
         """No check failed, and each replay ended with nothing in flight."""
         assert self.failures == []
         for core in self.cores:
-            assert not core.queue and not core._demoting
-            assert all(entry in core._settling for entry in core.busy)  # idle once read
+            assert not core.queue and not core.demoting
+            assert all(entry in core.settling for entry in core.busy)  # idle once read
             for entry in core.entries():
                 assert entry.state in (State.READY, State.DEMOTED), entry
                 assert not entry.leases and not entry.joiners, entry

@@ -12,22 +12,20 @@ the steps and view that call them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 from .._errors import InvalidArgument
+from . import _transitions
 from ._model import Entry, State
-from ._moves import cancel_demotion, circle, come_home, freed, left_home, part, reserved
 from ._scheduler import schedule
-
-if TYPE_CHECKING:
-    from ._books import Core
+from ._state import Books
+from ._tiers import circle, freed, left_home, part, reserved
 
 __all__ = [
     "Learned",
     "Refused",
     "aliases",
-    "canonical",
     "merge_spaces",
     "merged_circle",
     "note_alias_evidence",
@@ -48,24 +46,21 @@ class Learned(NamedTuple):
     refused: list[Refused]
 
 
-def canonical(canon: Mapping[str, str], charge: dict[str, int]) -> dict[str, int]:
-    """``charge`` under canonical space names (the amounts of merged spaces added up)."""
-    merged: dict[str, int] = {}
-    for name, amount in charge.items():
-        name = canon.get(name, name)
-        merged[name] = merged.get(name, 0) + amount
-    return merged
-
-
 def note_alias_evidence(
-    books: Core, freed: Iterable[str], loaded: Iterable[str], threshold: int
+    books: Books,
+    freed: Iterable[str],
+    loaded: Iterable[str],
+    threshold: int,
+    merge: Callable[[str, str], None],
 ) -> Learned:
     """A load in ``loaded`` spaces fit only after freeing in ``freed`` spaces.
 
     Each such observation is evidence that the two are one memory; at
     ``threshold`` observations the spaces are merged, unless that would make
     the tiers a circle (``merged_circle``): the pair is refused then, and its
-    count starts again. Returns the pairs merged and refused by this call.
+    count starts again. ``merge`` merges a pair (``Core.merge_spaces``: the step,
+    which a test build checks the books after). Returns the pairs merged and
+    refused by this call.
     """
     canon = books.canon
     learned = Learned([], [])
@@ -83,12 +78,12 @@ def note_alias_evidence(
             if found is not None:
                 learned.refused.append(Refused((b, a), found))
                 continue
-            books.merge_spaces(b, a)  # (the step: a test build checks the books after it)
+            merge(b, a)
             learned.merged.append((b, a))
     return learned
 
 
-def merged_circle(books: Core, keep: str, other: str) -> tuple[str, ...] | None:
+def merged_circle(books: Books, keep: str, other: str) -> tuple[str, ...] | None:
     """The circle the tiers would go round with ``keep`` and ``other`` one memory, if any.
 
     Merging renames ``other`` to ``keep`` in the tiers and drops a tier
@@ -106,7 +101,7 @@ def _merged_tiers(tiers: Mapping[str, str], keep: str, other: str) -> dict[str, 
     return {upper: lower for upper, lower in renamed if upper != lower}
 
 
-def merge_spaces(books: Core, keep: str, other: str) -> None:
+def merge_spaces(books: Books, keep: str, other: str) -> None:
     """Treat spaces ``keep`` and ``other`` as one memory from now on.
 
     The merged space's capacity is the larger of the two budgets; its books
@@ -125,7 +120,7 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
             f"spaces {keep!r} and {other!r} cannot be one memory: the tiers would go "
             f"round in a circle: {' -> '.join(found)}"
         )
-    books._settle()
+    _transitions.settle(books)
     canon = books.canon
     keep, other = canon.get(keep, keep), canon.get(other, other)
     if keep == other:
@@ -143,17 +138,17 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
     ]
     idle = sorted((e for e in touched if e.idle_seq), key=lambda e: e.idle_seq)
     for entry in idle:
-        if books._busy is not None:
-            books._busy(entry)
+        if books.on_busy is not None:
+            books.on_busy(entry)
     admitted = [
         e
         for e in touched
         if e.state in (State.READY, State.RELEASING, State.MOVING, State.DEMOTED)
         and e not in books.orphans
     ]
-    if books._remove is not None:
+    if books.on_remove is not None:
         for entry in admitted:
-            books._remove(entry)
+            books.on_remove(entry)
     # A move's books are differences between its charge and its target: take
     # them off before the names change, and put them back after.
     moving = [e for e in touched if e.state is State.MOVING]
@@ -161,7 +156,9 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
     for entry in touched:
         same = entry.charge is entry.need
         entry.need = _move(entry.need, other, keep)
-        books._set_charge(entry, entry.need if same else _move(entry.charge, other, keep))
+        _transitions.set_charge(
+            books, entry, entry.need if same else _move(entry.charge, other, keep)
+        )
         if entry.target is not None:
             entry.target = _move(entry.target, other, keep)
         if entry.home is not None:
@@ -189,22 +186,22 @@ def merge_spaces(books: Core, keep: str, other: str) -> None:
     # A tier between the two is one memory now: no move; others follow the merge.
     books.tiers = _merged_tiers(books.tiers, keep, other)
     books.canon_names.remove(other)
-    if other in books._overdrawn:
-        books._overdrawn.discard(other)
+    if other in books.overdrawn:
+        books.overdrawn.discard(other)
     if kept.used > kept.capacity:
-        books._overdrawn.add(keep)
+        books.overdrawn.add(keep)
     _move_books(books, moving, +1)
     _at_home(books, touched)
-    if books._admit is not None:
+    if books.on_admit is not None:
         for entry in admitted:
-            books._admit(entry)
+            books.on_admit(entry)
     for entry in idle:
         books.policy.idle(entry)
-    _no_move(books, [e for e in moving if e in books._demoting])
+    _no_move(books, [e for e in moving if e in books.demoting])
     schedule(books)
 
 
-def _at_home(books: Core, touched: list[Entry]) -> None:
+def _at_home(books: Books, touched: list[Entry]) -> None:
     """Demoted entries whose tier merged into their home: ready there, no move back.
 
     Their home and their charge are one space now; a promotion would ask for
@@ -217,27 +214,27 @@ def _at_home(books: Core, touched: list[Entry]) -> None:
             if left_home(entry.home, entry.charge):
                 part(entry)
             else:
-                come_home(books, entry)
+                _transitions.come_home(books, entry)
 
 
-def _no_move(books: Core, demoting: list[Entry]) -> None:
+def _no_move(books: Books, demoting: list[Entry]) -> None:
     """Demotions still waiting for room whose lower tier is their own space now: no
     move. Each stays where it is, idle (or, its promotion queued, demoted)."""
     for entry in demoting:
         if freed(entry):
             continue
-        cancel_demotion(books, entry)
+        _transitions.cancel_demotion(books, entry)
         if entry.state is State.DEMOTED and not left_home(entry.home or {}, entry.charge):
-            come_home(books, entry)
-        books._rest(entry, entry.idle_since)
+            _transitions.come_home(books, entry)
+        _transitions.rest(books, entry, entry.idle_since)
 
 
-def _move_books(books: Core, moving: list[Entry], sign: int) -> None:
+def _move_books(books: Books, moving: list[Entry], sign: int) -> None:
     """Add (``sign`` 1) or take off (-1) what moving entries count in ``releasing`` and ``used``."""
     for entry in moving:
         for name, amount in freed(entry).items():
             books.spaces[name].releasing += sign * amount
-        if entry not in books._demoting:
+        if entry not in books.demoting:
             for name, amount in reserved(entry).items():
                 books.spaces[name].used += sign * amount
 

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 from . import _reach
 from ._model import State
-from ._moves import freed, left_home, reserved
+from ._tiers import freed, left_home, reserved
 
 if TYPE_CHECKING:
-    from ._books import Core
+    from ._state import Books
 
 __all__ = ["STEPS", "check", "check_after_every_step"]
 
 
-def check(books: Core) -> None:
+def check(books: Books) -> None:
     """Assert the invariants of the package docstring (for tests and debugging)."""
     used = dict.fromkeys(books.spaces, 0)
     releasing = dict.fromkeys(books.spaces, 0)
@@ -44,14 +44,14 @@ def check(books: Core) -> None:
             assert entry in entry.owner.live, entry
             for name, amount in freed(entry).items():
                 releasing[name] += amount
-            if entry not in books._demoting:  # granted: its room is taken
+            if entry not in books.demoting:  # granted: its room is taken
                 for name, amount in reserved(entry).items():
                     used[name] += amount
             else:
                 assert not entry.promoting and not entry.joiners, entry
                 assert freed(entry), f"{entry!r} waits to move within one space"
         else:
-            assert entry not in books._demoting and entry.target is None, entry
+            assert entry not in books.demoting and entry.target is None, entry
         if entry.state is State.DEMOTED:
             assert entry.home is not None and not entry.leases, entry
             # Queued for its promotion exactly while requests wait for it.
@@ -74,7 +74,7 @@ def check(books: Core) -> None:
             assert entry.state in (State.WAITING, State.DEMOTED), entry
         if entry.state is State.WAITING:
             assert (entry in books.queue) is not entry.gated, entry
-            assert not entry.gated or (entry in books._gate and not entry.need), entry
+            assert not entry.gated or (entry in books.gate and not entry.need), entry
             assert not entry.charge, entry
             assert entry.joiners, f"{entry!r} waits for space on behalf of nobody"
             assert entry.holding == sum(t.holds for t in entry.joiners), entry
@@ -84,9 +84,9 @@ def check(books: Core) -> None:
             assert all(t.outcome is None and t.entry is entry for t in entry.joiners), entry
         if entry.state is State.READY and not entry.leases and entry.doomed is None:
             # Exactly one of: a candidate, pinned, or idle once the books settle.
-            states = (bool(entry.idle_seq), entry.pinned, entry in books._settling)
+            states = (bool(entry.idle_seq), entry.pinned, entry in books.settling)
             assert sum(states) == 1, (entry, states)
-        elif entry in books._settling:
+        elif entry in books.settling:
             raise AssertionError(f"{entry!r} is settling but not an idle-to-be entry")
         if entry.leases:
             assert entry.state in (State.READY, State.QUARANTINED), entry
@@ -98,14 +98,14 @@ def check(books: Core) -> None:
         assert all(bound.count(h) <= entry.holders.count(h) for h in bound), entry
     assert books.idle_count == sum(1 for e in books.entries() if e.idle_seq), books.idle_count
     for entry in books.busy:
-        assert entry.leases or entry in books._settling, entry
-    assert books._holding_waiters == sum(1 for e in books.queue if e.holding)
-    assert all(entry.gated for entry in books._gate)
-    if books._unknown is not None:
-        assert books._unknown.state in (State.WAITING, State.LOADING), books._unknown
-        assert not books._unknown.gated, books._unknown
+        assert entry.leases or entry in books.settling, entry
+    assert books.holding_waiters == sum(1 for e in books.queue if e.holding)
+    assert all(entry.gated for entry in books.gate)
+    if books.unknown is not None:
+        assert books.unknown.state in (State.WAITING, State.LOADING), books.unknown
+        assert not books.unknown.gated, books.unknown
     else:
-        assert not books._gate, "loads of unknown size wait, yet none is running"
+        assert not books.gate, "loads of unknown size wait, yet none is running"
     _reach.check(books)
     for name in books.canon_names:
         space = books.spaces[name]
@@ -115,7 +115,7 @@ def check(books: Core) -> None:
         assert space.quarantined == quarantined[name], (name, space.quarantined)
         # Over budget only while a measured load overdraws it, and overdrawn only
         # while over: ``repay`` forgets the overdraft once the space is back within.
-        overdrawn = name in books._overdrawn
+        overdrawn = name in books.overdrawn
         assert overdrawn == (space.used > space.capacity), (name, space.used, space.capacity)
 
 
@@ -159,8 +159,10 @@ STEPS = (
 )
 
 
-def check_after_every_step(core: Core, failures: list[str], count: list[int] | None = None) -> None:
-    """The test build: run ``core.check()`` after each of ``core``'s steps.
+def check_after_every_step(
+    core: Books, failures: list[str], count: list[int] | None = None
+) -> None:
+    """The test build: run ``check(core)`` after each of ``core``'s steps.
 
     A failed check is recorded in ``failures``, not raised: raised inside a
     load or release task, the assertion would pass for the plugin's fault and
@@ -176,7 +178,7 @@ def check_after_every_step(core: Core, failures: list[str], count: list[int] | N
                 if count is not None:
                     count[0] += 1
                 try:
-                    core.check()
+                    check(core)
                 except AssertionError as exc:
                     failures.append(f"Core.check() after Core.{_name}: {exc!r}")
 

@@ -21,6 +21,7 @@ __all__ = [
     "Space",
     "State",
     "Ticket",
+    "sync",
 ]
 
 
@@ -326,8 +327,6 @@ class Entry:
         if value is not self.pin:
             self.pin = value
             if self.kept is not None:
-                from ._reach import sync
-
                 sync(self)
 
     def __repr__(self) -> str:
@@ -352,3 +351,35 @@ def _shrink_if_empty(container: dict[Any, Any] | set[Any]) -> None:
     peak size until it is cleared, so a burst would hold memory for good."""
     if not container:
         container.clear()
+
+
+def sync(entry: Entry) -> None:
+    """Count ``entry`` in its spaces' ``pinned`` or ``ranked`` bytes as it is now.
+
+    Idempotent: what it counted before is taken back first. Counted: a ready
+    entry that is not doomed (a doomed one is released when its last lease
+    ends, so its bytes are coming back).
+    """
+    kept = entry.kept
+    if kept is not None:
+        pinned, priority, weights = kept
+        for space, amount in weights:
+            if pinned:
+                space.pinned -= amount
+            elif amount:  # (no zero in ``ranked``: a priority holding nothing leaves)
+                ranked = space.ranked
+                left = ranked[priority] - amount
+                if left:
+                    ranked[priority] = left
+                else:
+                    del ranked[priority]
+    if entry.state is State.READY and entry.doomed is None and entry.weights:
+        pinned, priority, weights = entry.kept = (entry.pin, entry.priority, entry.weights)
+        for space, amount in weights:
+            if pinned:
+                space.pinned += amount
+            elif amount:
+                ranked = space.ranked
+                ranked[priority] = ranked.get(priority, 0) + amount
+    else:
+        entry.kept = None

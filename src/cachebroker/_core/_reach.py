@@ -43,96 +43,15 @@ from .._units import format_bytes
 from ._model import Entry, Space, State
 
 if TYPE_CHECKING:
-    from ._books import Core
+    from ._state import Books
 
-__all__ = ["Overdue", "check", "obstacles", "out_of_reach", "room_in", "sync", "why_no_room"]
+__all__ = ["check", "leased_by", "obstacles", "out_of_reach", "room_in", "why_no_room"]
 
 #: How many entries a reason names before it counts the rest.
 SHOWN = 3
 
 
-def sync(entry: Entry) -> None:
-    """Count ``entry`` in its spaces' ``pinned`` or ``ranked`` bytes as it is now.
-
-    Idempotent: what it counted before is taken back first. Counted: a ready
-    entry that is not doomed (a doomed one is released when its last lease
-    ends, so its bytes are coming back).
-    """
-    kept = entry.kept
-    if kept is not None:
-        pinned, priority, weights = kept
-        for space, amount in weights:
-            if pinned:
-                space.pinned -= amount
-            elif amount:  # (no zero in ``ranked``: a priority holding nothing leaves)
-                ranked = space.ranked
-                left = ranked[priority] - amount
-                if left:
-                    ranked[priority] = left
-                else:
-                    del ranked[priority]
-    if entry.state is State.READY and entry.doomed is None and entry.weights:
-        pinned, priority, weights = entry.kept = (entry.pin, entry.priority, entry.weights)
-        for space, amount in weights:
-            if pinned:
-                space.pinned += amount
-            elif amount:
-                ranked = space.ranked
-                ranked[priority] = ranked.get(priority, 0) + amount
-    else:
-        entry.kept = None
-
-
-class Overdue:
-    """The quarantined entries whose release still runs past its timeout.
-
-    Their bytes may come back (a late return frees them), so requests may wait
-    for them, within their own timeout: ``Space.overdue`` is the part of
-    ``Space.quarantined`` they hold, and only the rest (``Space.stranded``)
-    makes a request fail fast. An entry leaves when its release ends: it
-    returned (the bytes come back), raised or was refused (they are stranded
-    until ``forget()``).
-    """
-
-    __slots__ = ("entries",)
-
-    def __init__(self) -> None:
-        self.entries: dict[Entry, None] = {}
-
-    def __contains__(self, entry: Entry) -> bool:
-        return entry in self.entries
-
-    def add(self, entry: Entry) -> None:
-        """``entry`` was just quarantined by its release's timeout; the release runs on."""
-        self.entries[entry] = None
-        for space, amount in entry.weights:
-            space.overdue += amount
-
-    def end(self, entry: Entry) -> bool:
-        """``entry``'s release ended (or it left the books); return whether it was overdue."""
-        if entry not in self.entries:
-            return False
-        del self.entries[entry]
-        if not self.entries:
-            self.entries.clear()  # give the emptied table back
-        for space, amount in entry.weights:
-            space.overdue -= amount
-        return True
-
-    def check(self, books: Core) -> None:
-        """Every overdue entry is quarantined, and each space's ``overdue`` is theirs."""
-        overdue = dict.fromkeys(books.canon_names, 0)
-        for entry in self.entries:
-            assert entry.state is State.QUARANTINED and entry in books.quarantined, entry
-            for name, amount in entry.charge.items():
-                overdue[name] += amount
-        for name in books.canon_names:
-            space = books.spaces[name]
-            assert space.overdue == overdue[name], (name, space.overdue, overdue[name])
-            assert 0 <= space.overdue <= space.quarantined, (name, space.overdue)
-
-
-def check(books: Core) -> None:
+def check(books: Books) -> None:
     """Recount what ``sync`` and ``Overdue`` keep, from the entries (``Core.check``)."""
     pinned = dict.fromkeys(books.canon_names, 0)
     ranked: dict[str, dict[int, int]] = {name: {} for name in books.canon_names}
@@ -150,10 +69,10 @@ def check(books: Core) -> None:
         space = books.spaces[name]
         assert space.pinned == pinned[name], (name, space.pinned, pinned[name])
         assert space.ranked == ranked[name], (name, space.ranked, ranked[name])
-    books.overdue.check(books)
+    books.overdue.check(books.quarantined, {n: books.spaces[n] for n in books.canon_names})
 
 
-def _own(books: Core, entry: Entry) -> list[Entry]:
+def _own(books: Books, entry: Entry) -> list[Entry]:
     """The entries leased by the requesters of ``entry`` that hold a lease in its spaces."""
     spread = (
         entry.need
@@ -163,7 +82,7 @@ def _own(books: Core, entry: Entry) -> list[Entry]:
     mine: dict[Entry, None] = {}
     for ticket in entry.joiners:
         if ticket.holds:
-            for leased in books._leased_by(ticket.task, spread, queued=True, held=ticket.held):
+            for leased in leased_by(books, ticket.task, spread, queued=True, held=ticket.held):
                 mine[leased] = None
     return list(mine)
 
@@ -187,7 +106,7 @@ def _mine_in(name: str, priority: int, mine: Iterable[Entry]) -> int:
     )
 
 
-def out_of_reach(books: Core, entry: Entry) -> bool:
+def out_of_reach(books: Books, entry: Entry) -> bool:
     """Whether no eviction could let ``entry`` in: in one of its spaces (in every one
     of its places), it needs more than the bytes it could ever reach there."""
     mine = _own(books, entry) if entry.holding else ()
@@ -223,7 +142,7 @@ def _held(entries: Sequence[Entry], name: str) -> str:
 
 
 def obstacles(
-    books: Core,
+    books: Books,
     name: str,
     priority: int,
     mine: Sequence[Entry] = (),
@@ -315,7 +234,7 @@ def _held_need(waiters: Sequence[Entry], name: str) -> str:
 
 
 def room_in(
-    books: Core,
+    books: Books,
     name: str,
     amount: int,
     priority: int,
@@ -334,7 +253,7 @@ def room_in(
     return f"{head}: {'; '.join(reasons)}" if reasons else head
 
 
-def why_no_room(books: Core, entry: Entry) -> str:
+def why_no_room(books: Books, entry: Entry) -> str:
     """Why the request of a waiting ``entry`` has no room yet, in words, per space.
 
     Names the bytes held by pinned entries, by higher priorities, by
@@ -352,3 +271,38 @@ def why_no_room(books: Core, entry: Entry) -> str:
         room_in(books, name, amount, entry.priority, mine, queued=queued)
         for name, amount in need.items()
     )
+
+
+def leased_by(
+    books: Books,
+    task: object,
+    need: Mapping[str, int],
+    *,
+    queued: bool,
+    held: tuple[Entry, ...] | None = None,
+) -> list[Entry]:
+    """The entries ``task`` holds leases on in the spaces of ``need``.
+
+    ``held``: those of a request relayed from another process (its task's
+    leases there), instead of looking for ``task`` among the holders.
+    Only wanted when the request may wait: it does not fit now (deadlock
+    detection), or others are queued ahead of it (it may have to pass them).
+    """
+    if not need or not (books.busy or held):
+        return []
+    if not queued and all(books.spaces[s].fits(n) for s, n in need.items()):
+        return []
+    if held is not None:
+        # (pinned: leased there, but the books above know it pinned, not leased)
+        return [
+            entry
+            for entry in held
+            if (entry.leases or entry.pinned)
+            and entry.state is State.READY
+            and not entry.charge.keys().isdisjoint(need)
+        ]
+    return [
+        entry
+        for entry in books.busy
+        if task in entry.holders and not entry.charge.keys().isdisjoint(need)
+    ]

@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
+from . import _reach, _refusals, _transitions
 from ._effects import Settled
 from ._model import Entry, Reason, State
-from ._moves import beyond, evict_one, grant_demotions, reserved
+from ._moves import evict_one, grant_demotions
 from ._reach import out_of_reach
-
-if TYPE_CHECKING:
-    from ._books import Core
+from ._state import Books
+from ._tiers import beyond, reserved
 
 __all__ = ["drain", "evict", "refuse", "refuse_self_waits", "repay", "schedule"]
 
 
-def schedule(books: Core) -> None:
+def schedule(books: Books) -> None:
     """Grant queued requests that fit and evict for those that can be covered.
 
     Walks the queue in arrival order. Per space, ``avail`` is the free bytes
@@ -57,19 +56,23 @@ def schedule(books: Core) -> None:
     (A lease holder's request that quarantine leaves to its own leases or
     ``forget()`` alone is refused when the quarantine grows: ``refuse_self_waits``.)
     """
-    books._settle()
-    if books._overdrawn:
+    if books.lost_room:
+        books.lost_room = False
+        if books.holding_waiters:
+            refuse_self_waits(books)
+    _transitions.settle(books)
+    if books.overdrawn:
         repay(books)
-    if books._demoting:
+    if books.demoting:
         grant_demotions(books)
-    books._fair_at = math.inf
+    books.fair_at = math.inf
     if not books.queue:
         return
     spaces = books.spaces
     every_space = len(books.canon_names)
     promised: dict[str, int] = {}  # to earlier waiters: granted in this pass, or covered
     unfinished: set[str] = set()  # spaces where an earlier waiter is not granted yet
-    for demoted in books._demoting:  # (decided before anyone queued for their room)
+    for demoted in books.demoting:  # (decided before anyone queued for their room)
         for name, amount in reserved(demoted).items():
             promised[name] = promised.get(name, 0) + amount
             unfinished.add(name)
@@ -78,9 +81,9 @@ def schedule(books: Core) -> None:
     blocked: dict[str, int] = {}
     grants: list[Entry] = []
     refused: list[Entry] = []
-    uniform = books._priorities is None  # every entry of one priority
+    uniform = books.priorities is None  # every entry of one priority
     for entry in books.queue:  # Grants are applied after the walk: no copy of the queue.
-        if len(blocked) == every_space and not books._holding_waiters and uniform:
+        if len(blocked) == every_space and not books.holding_waiters and uniform:
             break  # Nobody further back may be granted or evicted for.
         priority = entry.priority
         if entry.places is not None:
@@ -155,8 +158,8 @@ def schedule(books: Core) -> None:
         for name, amount in need.items():  # Refused, held back, aside or not covered: not promised.
             promised[name] -= amount
     for entry in grants:
-        books._grant(entry)
-    if books._demoting:  # decided in this pass: their room may be free already
+        _transitions.grant(books, entry)
+    if books.demoting:  # decided in this pass: their room may be free already
         grant_demotions(books)
     if refused:
         for entry in refused:
@@ -165,7 +168,7 @@ def schedule(books: Core) -> None:
 
 
 def _place(
-    books: Core,
+    books: Books,
     entry: Entry,
     promised: Mapping[str, int],
     unfinished: set[str],
@@ -228,16 +231,18 @@ def _block(blocked: dict[str, int], need: Mapping[str, int], priority: int) -> N
             blocked[name] = priority
 
 
-def refuse(books: Core, entry: Entry) -> None:
+def refuse(books: Books, entry: Entry) -> None:
     """Fail a waiter that only ``forget()`` could ever grant (see ``Core._shortage``)."""
     error = None
     for name, amount in entry.need.items():
-        error = error or books._shortage(entry.owner, entry.key, name, amount, entry.priority)
+        error = error or _refusals.shortage(
+            books, entry.owner, entry.key, name, amount, entry.priority
+        )
     assert error is not None, entry
-    books._fail_waiting(entry, error)
+    _transitions.fail_waiting(books, entry, error)
 
 
-def refuse_self_waits(books: Core) -> None:
+def refuse_self_waits(books: Books) -> None:
     """Refuse the lease holders among the waiters that now wait on themselves.
 
     A release that failed since they asked may have left only their own
@@ -250,9 +255,9 @@ def refuse_self_waits(books: Core) -> None:
         for ticket in [t for t in entry.joiners if t.holds]:
             error = None
             for need in needs:  # (a placed waiter: only if every place waits on itself)
-                mine = books._leased_by(ticket.task, need, queued=True, held=ticket.held)
-                error = mine and books._waits_on_itself(
-                    entry.owner, entry.key, need, mine, now=False
+                mine = _reach.leased_by(books, ticket.task, need, queued=True, held=ticket.held)
+                error = mine and _refusals.waits_on_itself(
+                    books, entry.owner, entry.key, need, mine, now=False
                 )
                 if not error:
                     break
@@ -262,14 +267,14 @@ def refuse_self_waits(books: Core) -> None:
             entry.joiners.remove(ticket)
             entry.holding -= 1
             if not entry.holding:
-                books._holding_waiters -= 1
+                books.holding_waiters -= 1
             if entry.joiners:
                 books.effects.append(Settled(entry))  # wakes its requester
             else:
-                books._fail_waiting(entry, error)
+                _transitions.fail_waiting(books, entry, error)
 
 
-def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
+def drain(books: Books, waiter: Entry, shortfall: Mapping[str, int]) -> None:
     """Stop new leases on leased entries that ``waiter`` needs, once it has waited long.
 
     Hits bypass the queue, so entries that are leased again and again
@@ -284,11 +289,11 @@ def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
     """
     due = waiter.queued_tick + books.fair_requests
     if books.tick < due:
-        books._fair_at = min(books._fair_at, due)  # checked when a lease ends
+        books.fair_at = min(books.fair_at, due)  # checked when a lease ends
         return
     for name, short in shortfall.items():
         coming = books.spaces[name].idle_bytes
-        if books._priorities is not None:  # only idle entries it may evict are coming
+        if books.priorities is not None:  # only idle entries it may evict are coming
             coming = sum(
                 e.charge.get(name, 0)
                 for e in books.entries()
@@ -307,12 +312,12 @@ def drain(books: Core, waiter: Entry, shortfall: Mapping[str, int]) -> None:
         for entry in candidates:
             if coming >= short:
                 break
-            books._drain(entry)
+            _transitions.drain_leased(books, entry)
             coming += entry.charge[name]
 
 
 def evict(
-    books: Core, shortfall: dict[str, int], *, partial: bool = False, up_to: int | None = None
+    books: Books, shortfall: dict[str, int], *, partial: bool = False, up_to: int | None = None
 ) -> bool:
     """Start releasing victims that cover ``shortfall``; False (releasing none) if they cannot.
 
@@ -347,13 +352,13 @@ def evict(
     return True
 
 
-def repay(books: Core) -> None:
+def repay(books: Books) -> None:
     """Evict for spaces driven over budget by a load measured larger than declared."""
     shortfall: dict[str, int] = {}
-    for name in list(books._overdrawn):
+    for name in list(books.overdrawn):
         space = books.spaces[name]
         if space.used <= space.capacity:
-            books._overdrawn.discard(name)
+            books.overdrawn.discard(name)
         elif (short := space.used - space.releasing - space.capacity) > 0:
             shortfall[name] = short
     if shortfall:

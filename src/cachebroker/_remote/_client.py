@@ -761,7 +761,7 @@ class Link:
             "cost": entry.declared_cost,  # (finite: Cache.acquire checked it)
             # A load of unknown size let past these books' gate (from inside a
             # loader, or by a task holding a lease) must pass the daemon's too.
-            "urgent": unknown and entry is not core._unknown,
+            "urgent": unknown and entry is not core.unknown,
             "holding": holding,
             # The shared broker evicts by it too: as it is when requested, and
             # as later acquires change it (reported with its state: ``collect``).

@@ -62,7 +62,7 @@ from .._core import (
     State,
     Ticket,
 )
-from .._core._moves import freed
+from .._core._tiers import freed
 from .._errors import (
     AcquireTimeout,
     BrokerClosed,

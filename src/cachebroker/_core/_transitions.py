@@ -1,0 +1,736 @@
+"""Every change of an entry's state, one function per transition.
+
+The steps of ``Core`` and the decisions of ``_scheduler``, ``_moves`` and
+``_aliases`` change the books only through these functions, so that the ways
+an entry's state (``State``), charge, leases, idle candidacy, queue place and
+quarantine change can all be read from this file. Each keeps the invariants
+of the package docstring for the entry it touches; none decides anything
+(who is granted, what is evicted): the scheduler does.
+
+The life of an entry, by function:
+
+- asked for: ``create`` (waiting, or gated when its size is unknown:
+  ``pass_gate``, ``hurry``, ``open_gate``), ``enqueue``, ``admit_weightless``;
+- granted: ``grant`` (a load, or ``start_promotion`` of a demoted value);
+- leased: ``wait_for_slot``, ``grant_slots``, ``lease_joiners``, ``unbind``;
+- idle: ``rest`` (or straight to release), ``settle``, ``unidle``, ``leave_idle``;
+- released: ``start_release``, ``doom``, ``drain_leased``, ``doom_parked``,
+  ``release_demoting``, ``cancel_demotion``; back up: ``queue_promotion``,
+  ``come_home``;
+- failed or gone: ``fail_joiners``, ``fail_waiting``, ``drop_waiting``,
+  ``withdraw``, ``detach``, ``discharge``, ``gone``, ``hand_over``;
+- quarantined: ``release_missed``, ``quarantine``, ``strand``,
+  ``unquarantine``, ``unorphan``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+from collections.abc import Hashable
+
+from .._errors import BrokerClosed, DeadlockError
+from .._policies._priorities import Priorities
+from ._effects import (
+    CancelLoad,
+    OwnerEmpty,
+    Quarantined,
+    Settled,
+    StartLoad,
+    StartMove,
+    StartRelease,
+)
+from ._model import Entry, Owner, Reason, State, Ticket, _shrink_if_empty, sync
+from ._state import Books, keep
+from ._tiers import canonical, destination, freed, owner_space, reserved
+
+__all__ = [
+    "admit_weightless",
+    "cancel_demotion",
+    "check_empty",
+    "come_home",
+    "count_request",
+    "create",
+    "dequeue",
+    "detach",
+    "discharge",
+    "doom",
+    "doom_parked",
+    "drain_leased",
+    "drop_waiting",
+    "enqueue",
+    "fail_joiners",
+    "fail_waiting",
+    "gone",
+    "grant",
+    "grant_slots",
+    "hand_over",
+    "hurry",
+    "lease_joiners",
+    "leave_idle",
+    "open_gate",
+    "pass_gate",
+    "prepare_priority",
+    "quarantine",
+    "queue_promotion",
+    "recharge",
+    "release_demoting",
+    "release_missed",
+    "remember_load",
+    "rest",
+    "set_charge",
+    "settle",
+    "slot_self_wait",
+    "start_promotion",
+    "start_release",
+    "strand",
+    "unbind",
+    "unidle",
+    "unorphan",
+    "unquarantine",
+    "wait_for_slot",
+    "withdraw",
+]
+
+
+def slot_self_wait(entry: Entry, own: set[int], *, loading: bool = False) -> DeadlockError | None:
+    """The error for a wait for ``entry``'s lease slots that only ``own`` tasks (by id) can free.
+
+    The books know which task acquired each lease, not which task will end
+    it: ``lease.release()`` works from any task, so a lease taken with
+    ``lease = await cache.acquire(...)`` may have been handed to a worker
+    that ends it while its acquirer waits. Such a wait is hopeless only when
+    every lease holding the slots is ``bound`` (``Core.request``) to one of
+    ``own``, which cannot end it while it waits; one that may travel keeps
+    the wait alive (bounded by the acquire's own ``timeout``).
+    """
+    holders = entry.holders
+    if not holders or len(entry.bound) < len(holders):
+        return None  # (``bound`` is a sub-multiset of ``holders``: some lease may travel)
+    if any(id(holder) not in own for holder in holders):
+        return None
+    return DeadlockError(
+        f"acquiring {entry.owner.name}:{entry.key!r} would wait for a lease slot "
+        f"(concurrency={entry.slots}) that only this task's own lease on it can free"
+        + (" (or the tasks waiting for the load asking)" if loading else ""),
+        [(entry.owner.name, entry.key)],
+    )
+
+
+def prepare_priority(books: Books, priority: int) -> None:
+    """Have a policy serve ``priority``: at the second priority seen, one per priority.
+
+    Called before an entry takes ``priority``, so that a policy that
+    cannot be copied for it raises before anything changed.
+    """
+    priorities = books.priorities
+    if priorities is not None:
+        priorities.ensure(priority)
+        return
+    if books.priority is None:
+        books.priority = priority
+    if priority == books.priority:
+        return
+    priorities = Priorities(books.make_policy, books.policy, books.priority)
+    priorities.ensure(priority)
+    # Every entry the policy knows has the one priority seen so far.
+    for other in books.entries():
+        if other.state in (State.READY, State.RELEASING, State.MOVING, State.DEMOTED):
+            priorities.adopt(other, books.priority, idle=bool(other.idle_seq))
+    books.priorities = books.policy = priorities
+    books.on_touch, books.on_busy = priorities.touch, priorities.busy
+    books.on_admit, books.on_remove = priorities.admit, priorities.remove
+    books.on_evicted = priorities.evicted
+
+
+def wait_for_slot(
+    books: Books, entry: Entry, task: object, loading: tuple[Entry, ...] = (), *, bound: bool = True
+) -> Ticket:
+    """Queue ``task`` for a lease slot of a ready entry whose slots are taken.
+
+    Refused when only the asking task can free the slots: leases bound
+    to itself, or, from inside a loader, to the tasks waiting for that
+    load (which wait on it). See ``_slot_self_wait``.
+    """
+    own = {id(task)} | {id(t.task) for outer in loading for t in outer.joiners}
+    error = slot_self_wait(entry, own, loading=bool(loading))
+    if error is not None:
+        raise error
+    count_request(books, entry)
+    ticket = Ticket(entry, task)
+    ticket.bound = bound
+    entry.joiners.append(ticket)
+    return ticket
+
+
+def grant_slots(books: Books, entry: Entry) -> None:
+    """Lease a ready entry to the requests waiting for its slots, first come first."""
+    joiners = entry.joiners
+    granted = 0
+    while joiners and (entry.slots is None or entry.leases < entry.slots):
+        ticket = joiners.pop(0)
+        ticket.outcome = True
+        entry.holders.append(ticket.task)
+        if ticket.bound:
+            entry.bound.append(ticket.task)
+        entry.leases += 1
+        granted += 1
+    # A waiter whose own leases now hold every slot would wait for ever.
+    for ticket in list(joiners):
+        error = slot_self_wait(entry, {id(ticket.task)})
+        if error is not None:
+            joiners.remove(ticket)
+            ticket.outcome = error
+            granted += 1
+    if granted:
+        books.effects.append(Settled(entry))
+
+
+def count_request(books: Books, entry: Entry) -> None:
+    if books.prefetching:
+        return  # a prefetch is no request (see ``prefetch``)
+    books.tick += 1
+    entry.requests += 1
+    entry.last_request = books.tick
+    if books.on_touch is not None:
+        books.on_touch(entry)
+
+
+def withdraw(books: Books, ticket: Ticket) -> bool:
+    """Take a pending ``ticket`` off its entry; return whether the queue changed (the
+    caller schedules).
+
+    The last requester leaving a queued entry removes it; leaving a loading
+    entry cancels its load.
+    """
+    ticket.outcome = BrokerClosed("request withdrawn")
+    entry = ticket.entry
+    entry.joiners.remove(ticket)
+    if ticket.holds:
+        entry.holding -= 1
+        if not entry.holding and entry in books.queue:
+            books.holding_waiters -= 1
+    if entry.joiners:
+        return False
+    if entry.state is State.WAITING:
+        drop_waiting(books, entry)
+        check_empty(books, entry.owner)
+        return True
+    if entry.state is State.DEMOTED:  # nobody waits for its promotion any more
+        dequeue(books, entry)
+        rest(books, entry, entry.idle_since)
+        return True
+    if entry.state is State.LOADING:
+        # A cancelled load gives up its key: a request arriving before the
+        # load task notices must start afresh, not inherit the cancellation.
+        detach(books, entry)
+        books.effects.append(CancelLoad(entry))
+    return False
+
+
+def create(
+    books: Books,
+    owner: Owner,
+    key: Hashable,
+    need: dict[str, int],
+    *,
+    unknown: bool = False,
+    urgent: bool = False,
+    slots: int | None = None,
+    priority: int | None = None,
+    places: tuple[str, ...] | None = None,
+    asked: tuple[str, ...] = (),
+    asked_places: tuple[str, ...] | None = None,
+) -> Entry:
+    if priority is None:
+        priority = owner.priority
+    prepare_priority(books, priority)
+    entry = Entry(owner, key, need)
+    entry.priority = priority
+    entry.places = places
+    entry.asked = asked
+    entry.asked_places = asked_places
+    if books.promote_history:
+        entry.promote_cost = books.promote_history.get((owner.name, key))
+    if slots is not None:
+        entry.slots = slots
+    current = owner.entries.get(key)
+    if current is not None and current.state is State.RELEASING:
+        entry.after = current
+        current.successor = entry
+    else:
+        owner.entries[key] = entry
+    owner.live.add(entry)
+    books.misses += 1
+    if not unknown:
+        enqueue(books, entry)
+        return entry
+    entry.unknown = True
+    if urgent:
+        enqueue(books, entry)
+    elif books.unknown is None:
+        books.unknown = entry
+        pass_gate(books, entry)
+    else:
+        entry.gated = True
+        books.gate[entry] = None
+    return entry
+
+
+def enqueue(books: Books, entry: Entry) -> None:
+    entry.queued_tick = books.tick
+    books.queue[entry] = None
+    admit_weightless(books, entry)
+
+
+def admit_weightless(books: Books, entry: Entry) -> None:
+    """Grant an entry that weighs nothing as soon as no predecessor holds it back.
+
+    It competes for no space, so it needs no place in the queue's order
+    (and the scheduler may stop walking the queue before reaching it).
+    """
+    if not entry.need and entry.after is None and entry.state is State.WAITING and not entry.gated:
+        grant(books, entry)
+
+
+def hurry(books: Books, entry: Entry) -> None:
+    """Take a load of unknown size out of the gate's line: load it now, reserving nothing.
+
+    For a request from inside a loader or from a task holding a lease: the
+    load whose turn it is may be waiting for that loader's reservation or
+    that lease, so waiting for the gate could be a deadlock. Its
+    measurement corrects the books (and evicts) as soon as it is loaded.
+    """
+    del books.gate[entry]
+    _shrink_if_empty(books.gate)
+    entry.gated = False
+    enqueue(books, entry)
+
+
+def pass_gate(books: Books, entry: Entry) -> None:
+    """Queue a load of unknown size, reserving the largest size its cache has measured."""
+    entry.gated = False
+    largest = books.largest.get(entry.owner.name)
+    if largest:
+        estimate = canonical(books.canon, largest) if books.canon else largest
+        # An estimate is never a reason to refuse: keep it within reach.
+        entry.need = {
+            name: min(amount, books.spaces[name].attainable)
+            for name, amount in estimate.items()
+            if min(amount, books.spaces[name].attainable) > 0
+        }
+    if entry.holding:
+        books.holding_waiters += 1
+    enqueue(books, entry)
+
+
+def open_gate(books: Books, entry: Entry) -> bool:
+    """``entry``'s load of unknown size is over: let the next one through, if any."""
+    if entry is not books.unknown:
+        return False
+    books.unknown = None
+    if not books.gate:
+        return False
+    following = next(iter(books.gate))
+    del books.gate[following]
+    _shrink_if_empty(books.gate)
+    books.unknown = following
+    pass_gate(books, following)
+    return True
+
+
+def remember_load(books: Books, entry: Entry, seconds: float) -> None:
+    """Count a finished load of ``entry``'s key, remembered across evictions."""
+    if not books.counts_loads:
+        return
+    loads, _ = books.load_history.get((entry.cache, entry.key), (0, 0.0))
+    keep(books.load_history, (entry.cache, entry.key), (loads + 1, seconds))
+
+
+def lease_joiners(books: Books, entry: Entry) -> None:
+    """A ready entry's requesters get leases, up to its slots; the rest wait for one."""
+    granted = entry.joiners if entry.slots is None else entry.joiners[: entry.slots]
+    for ticket in granted:
+        ticket.outcome = True
+        entry.holders.append(ticket.task)
+        if ticket.bound:
+            entry.bound.append(ticket.task)
+    entry.leases = len(granted)
+    entry.joiners = entry.joiners[len(granted) :]
+    books.effects.append(Settled(entry))
+
+
+def set_charge(books: Books, entry: Entry, charge: dict[str, int]) -> None:
+    entry.charge = charge
+    entry.weights = tuple((books.spaces[name], amount) for name, amount in charge.items())
+    if entry.kept is not None or entry.state is State.READY:
+        sync(entry)
+
+
+def recharge(books: Books, entry: Entry, measured: dict[str, int]) -> None:
+    if books.canon:
+        measured = canonical(books.canon, measured)
+    for name, amount in entry.charge.items():
+        books.spaces[name].used -= amount
+    set_charge(books, entry, measured)
+    for name, amount in measured.items():
+        space = books.spaces[name]
+        space.used += amount
+        if space.used > space.capacity:
+            books.overdrawn.add(name)
+
+
+def unbind(entry: Entry, task: object) -> None:
+    """Keep ``entry.bound`` within its holders once a lease of ``task`` ended.
+
+    When ``task`` held both a bound and an unbound lease, the books cannot
+    tell which one ended: the bound one is forgotten, so that the other
+    can only be taken for one that may travel (a wait on it is never
+    called hopeless), never the other way round.
+    """
+    with contextlib.suppress(ValueError):
+        entry.bound.remove(task)
+
+
+def settle(books: Books) -> None:
+    """Make the entries whose last lease ended idle, in the order their leases ended."""
+    settling = books.settling
+    if settling:
+        books.settling = {}
+        busy = books.busy
+        for entry in settling:
+            del busy[entry]
+            rest(books, entry, entry.idle_since)
+
+
+def rest(books: Books, entry: Entry, now: float) -> None:
+    """An entry with no lease: keep it as an eviction candidate, or release it."""
+    if entry.doomed is not None:
+        start_release(books, entry, entry.doomed)
+        return
+    if entry.owner.closing or not books.retain:
+        start_release(books, entry, Reason.CLOSE if books.retain else Reason.UNRETAINED)
+        return
+    entry.idle_since = now
+    if entry.pinned:
+        return  # Resident regardless of policy and idle time.
+    ttl = books.idle_ttl if entry.ttl is None else entry.ttl
+    if ttl == 0:
+        start_release(books, entry, Reason.IDLE)
+        return
+    entry.idle_seq = next(books.seq)
+    weights = entry.weights
+    if weights:
+        for space, amount in weights:
+            space.idle_bytes += amount
+    else:
+        books.unsized[entry] = None
+    books.policy.idle(entry)
+    books.idle_count += 1
+    if ttl is not None and ttl != math.inf:
+        heap = books.expiry
+        heapq.heappush(heap, (now + ttl, entry.idle_seq, entry))
+        if len(heap) > 2 * books.idle_count + 64:
+            # Leased-again and released entries leave stale items behind
+            # (lazy deletion); drop them before they outnumber the live ones.
+            heap[:] = [item for item in heap if item[2].idle_seq == item[1]]
+            heapq.heapify(heap)
+
+
+def unidle(books: Books, entry: Entry) -> None:
+    weights = entry.weights
+    if weights:
+        for space, amount in weights:
+            space.idle_bytes -= amount
+    else:
+        books.unsized.pop(entry, None)
+    if books.on_busy is not None:
+        books.on_busy(entry)
+    entry.idle_seq = 0
+    books.idle_count -= 1
+    if not books.idle_count and books.expiry:
+        books.expiry.clear()  # every item is stale: let their entries go
+
+
+def leave_idle(books: Books, entry: Entry) -> None:
+    """Stop ``entry`` being an eviction candidate (or about to become one)."""
+    if entry.idle_seq:
+        unidle(books, entry)
+    elif books.settling.pop(entry, False):
+        del books.busy[entry]
+
+
+def start_release(books: Books, entry: Entry, reason: Reason) -> None:
+    leave_idle(books, entry)
+    entry.state = State.RELEASING
+    sync(entry)
+    for name, amount in entry.charge.items():
+        books.spaces[name].releasing += amount
+    books.evictions[reason] += 1
+    books.effects.append(StartRelease(entry, reason))
+    if books.seam is not None:
+        books.seam.releasing(entry, reason)
+
+
+def release_missed(
+    books: Books, entry: Entry, error: BaseException, *, overdue: bool = False
+) -> None:
+    """A releasing entry's release raised or passed its timeout: it is quarantined."""
+    for name, amount in entry.charge.items():
+        books.spaces[name].releasing -= amount
+    unorphan(books, entry)
+    books.releases_failed += 1
+    hand_over(books, entry)
+    gone(books, entry)
+    if overdue:
+        books.overdue.add(entry)  # (first: its bytes are no stranded room)
+    quarantine(books, entry, error)
+
+
+def strand(books: Books) -> None:
+    """An overdue release ended without freeing its bytes: the room is lost for good, so
+    the next ``schedule`` refuses who waited for it (``lost_room``)."""
+    books.lost_room = True
+
+
+def quarantine(books: Books, entry: Entry, error: BaseException) -> None:
+    """Keep a gone entry's bytes charged: nobody knows whether its memory came back."""
+    entry.error = error
+    entry.state = State.QUARANTINED
+    books.quarantined[entry] = error
+    for space, amount in entry.weights:
+        space.quarantined += amount
+    books.effects.append(Quarantined(entry))
+    books.lost_room = True  # (less room for good: a holder may now wait on itself)
+    if books.seam is not None:
+        books.seam.quarantined(entry)
+
+
+def unquarantine(books: Books, entry: Entry) -> None:
+    books.overdue.end(entry)
+    del books.quarantined[entry]
+    _shrink_if_empty(books.quarantined)
+    for space, amount in entry.weights:
+        space.quarantined -= amount
+    discharge(books, entry)
+
+
+def unorphan(books: Books, entry: Entry) -> None:
+    if entry in books.orphans:
+        del books.orphans[entry]
+        _shrink_if_empty(books.orphans)
+
+
+def hand_over(books: Books, entry: Entry) -> None:
+    """A finished release lets the key's successor (if any) take the slot."""
+    owner = entry.owner
+    if owner.entries.get(entry.key) is entry:
+        successor = entry.successor
+        if successor is None:
+            del owner.entries[entry.key]
+            _shrink_if_empty(owner.entries)
+        else:
+            owner.entries[entry.key] = successor
+            successor.after = None
+            admit_weightless(books, successor)
+    entry.successor = None
+
+
+def doom_parked(books: Books, entry: Entry, reason: Reason) -> None:
+    """Release a moving or demoted entry for ``reason``: now, or once its move ends.
+
+    An idle demoted one (or one whose demotion still waits for room) goes
+    now; one moving, or waited for, gives its key up and goes when its
+    move (and the leases its requesters get) end.
+    """
+    if entry in books.demoting:
+        release_demoting(books, entry, reason)
+    elif entry.state is State.DEMOTED and entry not in books.queue:
+        start_release(books, entry, reason)
+    else:
+        detach(books, entry)
+        entry.doomed = reason
+
+
+def drain_leased(books: Books, entry: Entry) -> None:
+    """Leased ``entry``'s bytes are due to a waiter that waited long (``_scheduler.drain``).
+
+    Drained here, unless the other side of the books sees its leases and
+    was told instead (``Seam.wanted``).
+    """
+    if books.seam is None or not books.seam.wanted(entry):
+        doom(books, entry, Reason.CAPACITY)
+
+
+def doom(books: Books, entry: Entry, reason: Reason) -> None:
+    """Release ``entry`` now, or, while leased, when its last lease ends.
+
+    An idle entry keeps its key's slot while releasing, so a new acquire
+    waits for the release before loading afresh. A leased one gives the
+    slot up at once: new acquires must not wait on other tasks' leases.
+    """
+    if entry.leases:
+        detach(books, entry)
+        entry.doomed = reason
+        sync(entry)
+    else:
+        start_release(books, entry, reason)
+
+
+def grant(books: Books, entry: Entry) -> None:
+    """Reserve a queued entry's bytes and start its load."""
+    del books.queue[entry]
+    _shrink_if_empty(books.queue)
+    if entry.holding:
+        books.holding_waiters -= 1
+    if entry.state is State.DEMOTED:
+        start_promotion(books, entry)
+        return
+    entry.state = State.LOADING
+    set_charge(books, entry, entry.need)
+    for name, amount in entry.need.items():
+        books.spaces[name].used += amount
+    books.effects.append(StartLoad(entry))
+
+
+def fail_joiners(books: Books, entry: Entry, error: BaseException) -> None:
+    for ticket in entry.joiners:
+        ticket.outcome = error
+    entry.joiners = []
+    books.effects.append(Settled(entry))
+
+
+def fail_waiting(books: Books, entry: Entry, error: BaseException) -> None:
+    """Fail every requester of a waiting entry with ``error`` and drop the entry.
+
+    A demoted entry waiting for its promotion's room stays demoted.
+    """
+    fail_joiners(books, entry, error)
+    if entry.state is State.DEMOTED:
+        dequeue(books, entry)
+        rest(books, entry, entry.idle_since)
+        return
+    drop_waiting(books, entry)
+    check_empty(books, entry.owner)
+
+
+def dequeue(books: Books, entry: Entry) -> None:
+    """Take a demoted entry's promotion out of the queue (its requesters are gone)."""
+    del books.queue[entry]
+    _shrink_if_empty(books.queue)
+    if entry.holding:
+        books.holding_waiters -= 1
+        entry.holding = 0
+
+
+def drop_waiting(books: Books, entry: Entry) -> None:
+    if entry.gated:
+        del books.gate[entry]
+        _shrink_if_empty(books.gate)
+    else:
+        del books.queue[entry]
+        _shrink_if_empty(books.queue)
+        if entry.holding:
+            books.holding_waiters -= 1
+    open_gate(books, entry)
+    if entry.after is not None:
+        entry.after.successor = None
+        entry.after = None
+    else:
+        detach(books, entry)
+    gone(books, entry)
+
+
+def detach(books: Books, entry: Entry) -> None:
+    owner = entry.owner
+    if owner.entries.get(entry.key) is entry:
+        del owner.entries[entry.key]
+        _shrink_if_empty(owner.entries)
+
+
+def discharge(books: Books, entry: Entry) -> None:
+    for name, amount in entry.charge.items():
+        books.spaces[name].used -= amount
+
+
+def gone(books: Books, entry: Entry) -> None:
+    if books.on_remove is not None and entry.state is not State.WAITING:
+        books.on_remove(entry)
+    entry.state = State.GONE
+    if entry.kept is not None:
+        sync(entry)
+    owner = entry.owner
+    owner.live.discard(entry)
+    _shrink_if_empty(owner.live)
+    check_empty(books, owner)
+    if books.seam is not None:
+        books.seam.gone(entry)
+
+
+def check_empty(books: Books, owner: Owner) -> None:
+    if owner.closing and not owner.live:
+        books.effects.append(OwnerEmpty(owner))
+
+
+def release_demoting(books: Books, entry: Entry, reason: Reason = Reason.CAPACITY) -> None:
+    """Release, for ``reason``, an entry whose demotion waits for room (that is not coming)."""
+    del books.demoting[entry]
+    going = freed(entry)
+    for name, amount in entry.charge.items():  # all of it is releasing now
+        books.spaces[name].releasing += amount - going.get(name, 0)
+    entry.target = None
+    entry.state = State.RELEASING
+    books.evictions[reason] += 1
+    books.effects.append(StartRelease(entry, reason))
+
+
+def cancel_demotion(books: Books, entry: Entry) -> None:
+    """A request for an entry whose demotion still waits for room: it stays where it is
+    (ready, or, parked a tier down already, demoted: the request then promotes it)."""
+    del books.demoting[entry]
+    for name, amount in freed(entry).items():
+        books.spaces[name].releasing -= amount
+    entry.target = None
+    entry.state = State.READY if entry.home is None else State.DEMOTED
+    sync(entry)
+
+
+def queue_promotion(books: Books, entry: Entry, need: dict[str, int] | None) -> None:
+    """A request for a demoted entry: queue its move back up, for ``need`` (its home's
+    size, in one of its places)."""
+    leave_idle(books, entry)
+    assert need is not None
+    entry.need = dict(need)
+    entry.holding = 0  # (its requesters of an earlier promotion are all served)
+    enqueue(books, entry)
+
+
+def start_promotion(books: Books, entry: Entry) -> None:
+    """A queued promotion was granted ``entry.need``: reserve it and start the move."""
+    entry.state = State.MOVING
+    entry.promoting = True
+    entry.target = dict(entry.need)
+    for name, amount in reserved(entry).items():
+        books.spaces[name].used += amount
+    for name, amount in freed(entry).items():
+        books.spaces[name].releasing += amount
+    books.effects.append(StartMove(entry, owner_space(books, entry, destination(entry))))
+
+
+def come_home(books: Books, entry: Entry) -> None:
+    """A demoted entry is charged in every space of its home: ready there, no move back.
+
+    A promotion queued for it is taken out of the queue and its requesters
+    get leases (up to its slots).
+    """
+    entry.home = None
+    entry.cost = entry.reload
+    if entry in books.queue:
+        dequeue(books, entry)
+    entry.state = State.READY
+    if entry.joiners:
+        lease_joiners(books, entry)
+        if entry.leases:
+            books.busy[entry] = None
+    sync(entry)
