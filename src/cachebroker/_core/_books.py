@@ -1,12 +1,9 @@
 """``Core``: the books of one broker, and the steps the shell takes on them.
 
-Every public method is one synchronous step (listed in ``STEPS``) or a view;
-a step updates the books, lets the scheduler grant and evict
-(``_scheduler.schedule``), and leaves the work that must happen next in
-``Core.effects``. The underscored methods are the primitives those steps
-share with the scheduler and the alias bookkeeping (``_grant``,
-``_start_release``, ``_doom``, ``_fail_waiting``, ...): each keeps the
-invariants of the package docstring for the entry it touches.
+Every method is one synchronous step (listed in ``STEPS``) or a view. A step
+changes the books' state (``_state.Books``) only through ``_transitions``,
+lets the scheduler grant and evict (``_scheduler.schedule``), and leaves the
+work that must happen next in ``Books.effects``.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 from .._errors import BrokerClosed, InvalidArgument, ReleaseFailed
-from . import _aliases, _invariants, _reach, _refusals, _tiers, _transitions
+from . import _aliases, _departures, _invariants, _reach, _refusals, _requests, _tiers, _transitions
 from ._effects import CancelLoad, Quarantined
 from ._model import Entry, Owner, Reason, State, Ticket, _naming, _shrink_if_empty, sync
 from ._scheduler import schedule
@@ -268,74 +265,12 @@ class Core(Books):
                 schedule(self)
             return ticket
         if entry is None:
-            unknown = need is None
-            if need is None:
-                remembered = self.sizes.get((owner.name, key))
-                unknown = remembered is None
-                need = {} if remembered is None else dict(remembered)
-            asked = (*places, *need) if places is not None else tuple(need)
-            if self.canon:
-                need = canonical(self.canon, need)
-            asked_places = None
-            if places is not None:
-                asked_places = tuple(dict.fromkeys(self.canon.get(n, n) for n in places))
-                places, need = _refusals.placeable(self, owner, key, asked_places, need, task, held)
-            _refusals.check_fit(self, owner, key, need)
-            # (A placed request holds leases where any of its places lies.)
-            spread = need if places is None else dict.fromkeys(places, sum(need.values()))
-            mine = _reach.leased_by(self, task, spread, queued=bool(self.queue), held=held)
-            _refusals.check_deadlock(self, owner, key, need, mine)
-            urgent = unknown and (urgent or bool(loading) or _refusals.holds_any(self, task))
-            entry = _transitions.create(
-                self,
-                owner,
-                key,
-                need,
-                unknown=unknown,
-                urgent=urgent,
-                slots=slots,
-                priority=priority,
-                places=places,
-                asked=asked,
-                asked_places=asked_places,
+            entry, mine = _requests.miss(
+                self, owner, key, need, task, cost, loading, urgent, held, slots, priority, places
             )
-            entry.declared_cost = cost
-            _transitions.count_request(self, entry)
         else:
-            try:
-                promote, need, placed, mine = _refusals.check_join(
-                    self, owner, key, entry, task, loading, held
-                )
-            except Exception:
-                if kept:  # (refused: the demotion called off for it is decided anew)
-                    _transitions.rest(self, entry, entry.idle_since)
-                    schedule(self)
-                raise
-            # A request that brings a value back up waits for it as for a load:
-            # a miss (the first to join a move down counts it; later ones join).
-            if (
-                promote
-                or (entry.state is State.MOVING and not entry.promoting and not entry.joiners)
-            ) and not self.prefetching:
-                self.misses += 1
-            if promote:
-                entry.places = placed
-                _transitions.queue_promotion(self, entry, need)
-            _transitions.count_request(self, entry)
-        ticket = Ticket(entry, task, loading, held)
-        ticket.bound = bound
-        entry.joiners.append(ticket)
-        if loading:
-            for outer in loading:
-                outer.nested = [t for t in outer.nested if t.outcome is None]
-                outer.nested.append(ticket)
-        if (entry.state is State.WAITING or entry in self.queue) and (
-            mine or any(not outer.need.keys().isdisjoint(entry.need) for outer in loading)
-        ):
-            ticket.holds = True
-            entry.holding += 1
-            if entry.holding == 1 and not entry.gated:
-                self.holding_waiters += 1
+            mine = _requests.join(self, entry, kept, task, loading, held)
+        ticket = _transitions.join(self, entry, task, loading, held, bound=bound, mine=mine)
         schedule(self)
         return ticket
 
@@ -467,9 +402,7 @@ class Core(Books):
         if self.seam is not None:
             self.seam.changed(entry)
 
-    # ------------------------------- refusal and deadlock detection, on asking
-
-    # ----------------------------------------- loads of unknown size: the gate
+    # ------------------------------------------------------------------ sizes
 
     def remember(self, cache: str, key: Hashable, charge: Mapping[str, int]) -> None:
         """Remember the measured size of ``key`` in ``cache`` (space names as given)."""
@@ -570,64 +503,7 @@ class Core(Books):
         """
         if entry.state is not State.MOVING or entry in self.demoting:
             return False
-        going = _tiers.freed(entry)
-        planned = entry.target or {}
-        stayed = False
-        for name, amount in going.items():
-            space = self.spaces[name]
-            space.used -= amount
-            space.releasing -= amount
-        if self.on_remove is not None:
-            self.on_remove(entry)  # (indexed by the charge it leaves)
-        before = entry.charge
-        assert entry.target is not None
-        _transitions.set_charge(self, entry, entry.target)
-        entry.target = None
-        entry.value = value
-        if measured is not None:
-            if self.canon:
-                measured = canonical(self.canon, measured)
-            if measured != entry.charge:
-                _transitions.recharge(self, entry, measured)
-        if entry.promoting:
-            entry.promoting = False
-            entry.home = None
-            entry.promote_cost = seconds
-            keep(self.promote_history, (entry.cache, entry.key), seconds)
-            entry.cost = entry.reload
-            entry.state = State.READY
-            self.promotions += 1
-        else:
-            home = before if entry.home is None else entry.home
-            if _tiers.left_home(home, entry.charge):
-                entry.home = home
-                _tiers.part(entry)
-                entry.cost = _tiers.parked_cost(entry)
-                entry.state = State.DEMOTED
-                self.demotions += 1
-            else:  # (home: a move within one memory, or measured where it was)
-                entry.home = None
-                entry.cost = entry.reload
-                entry.state = State.READY
-            if stayed := _tiers.stayed(going, planned, entry.charge):
-                entry.doomed = entry.doomed or Reason.CAPACITY
-                if entry.joiners:  # (they get it; new requests load afresh)
-                    _transitions.detach(self, entry)
-            # (idle since its last lease ended, not since it moved)
-            now = entry.idle_since
-        if self.on_admit is not None:
-            self.on_admit(entry)
-        if entry.state is State.READY:
-            _transitions.lease_joiners(self, entry)
-            if entry.leases:
-                self.busy[entry] = None
-            else:
-                _transitions.rest(self, entry, now)
-        elif entry.joiners:
-            _transitions.queue_promotion(self, entry, entry.home)
-        else:
-            _transitions.rest(self, entry, now)
-        sync(entry)
+        stayed = _transitions.moved(self, entry, value, measured, seconds, now)
         schedule(self)
         return stayed
 
@@ -639,22 +515,7 @@ class Core(Books):
         """
         if entry.state is not State.MOVING or entry in self.demoting:
             return
-        for name, amount in _tiers.freed(entry).items():
-            self.spaces[name].releasing -= amount
-        target = entry.target or {}
-        both = {
-            name: max(entry.charge.get(name, 0), target.get(name, 0))
-            for name in (*entry.charge, *target)
-        }
-        if entry.joiners:
-            _transitions.fail_joiners(self, entry, _naming(error, entry))
-        self.moves_failed += 1
-        _transitions.hand_over(self, entry)
-        _transitions.gone(self, entry)  # (leaves the policy by the charge it was indexed by)
-        entry.target = None
-        entry.promoting = False
-        _transitions.set_charge(self, entry, both)
-        _transitions.quarantine(self, entry, error)
+        _transitions.move_failed(self, entry, error)
         schedule(self)
 
     def load_abandoned(self, entry: Entry) -> None:
@@ -997,59 +858,7 @@ class Core(Books):
         shell's tasks still running for them find them gone (``load_done``,
         ``load_failed``, ``release_done`` and ``release_failed`` ignore them).
         """
-        owner.closing = True
-        gone = BrokerClosed(f"cache {owner.name!r} is gone: the process that opened it ended")
-        mine = [
-            *owner.live,
-            *(entry for entry in self.orphans if entry.owner is owner),
-            *(entry for entry in self.quarantined if entry.owner is owner),
-        ]
-        for entry in mine:
-            state = entry.state
-            if state is State.WAITING:
-                _transitions.fail_joiners(self, entry, gone)
-                _transitions.drop_waiting(self, entry)
-                continue
-            if state is State.QUARANTINED:  # (gone from its key and owner already)
-                _transitions.unquarantine(self, entry)
-                entry.state = State.GONE
-                continue
-            if state is State.LOADING:
-                _transitions.fail_joiners(self, entry, gone)
-                entry.nested = []
-                _transitions.open_gate(self, entry)
-            elif state is State.READY:
-                if entry.idle_seq:
-                    _transitions.unidle(self, entry)
-                self.settling.pop(entry, None)
-                self.busy.pop(entry, None)
-                entry.leases = 0
-                entry.holders = []
-                entry.bound = []
-            elif state is State.RELEASING:
-                for name, amount in entry.charge.items():
-                    self.spaces[name].releasing -= amount
-                _transitions.unorphan(self, entry)
-            elif state is State.DEMOTED:
-                _transitions.fail_joiners(self, entry, gone)
-                if entry in self.queue:
-                    _transitions.dequeue(self, entry)
-                _transitions.leave_idle(self, entry)
-            elif state is State.MOVING:
-                _transitions.fail_joiners(self, entry, gone)
-                for name, amount in _tiers.freed(entry).items():
-                    self.spaces[name].releasing -= amount
-                if entry in self.demoting:
-                    del self.demoting[entry]
-                else:
-                    for name, amount in _tiers.reserved(entry).items():
-                        self.spaces[name].used -= amount
-                entry.target = None
-            entry.value = None
-            _transitions.discharge(self, entry)
-            _transitions.detach(self, entry)
-            _transitions.gone(self, entry)
-        _transitions.check_empty(self, owner)
+        _departures.drop_owner(self, owner)
         schedule(self)
 
     # ----------------------------------------------------------------- aliases
@@ -1072,8 +881,6 @@ class Core(Books):
     def aliases(self) -> list[tuple[str, ...]]:
         """The groups of space names known to be one memory (each group sorted)."""
         return _aliases.aliases(self.canon)
-
-    # ----------------------------------------------------- grants and removals
 
     # ------------------------------------------------------------------- views
 

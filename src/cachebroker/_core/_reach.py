@@ -39,13 +39,22 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from .._errors import DeadlockError
 from .._units import format_bytes
 from ._model import Entry, Space, State
 
 if TYPE_CHECKING:
     from ._state import Books
 
-__all__ = ["check", "leased_by", "obstacles", "out_of_reach", "room_in", "why_no_room"]
+__all__ = [
+    "check",
+    "leased_by",
+    "slot_self_wait",
+    "obstacles",
+    "out_of_reach",
+    "room_in",
+    "why_no_room",
+]
 
 #: How many entries a reason names before it counts the rest.
 SHOWN = 3
@@ -306,3 +315,27 @@ def leased_by(
         for entry in books.busy
         if task in entry.holders and not entry.charge.keys().isdisjoint(need)
     ]
+
+
+def slot_self_wait(entry: Entry, own: set[int], *, loading: bool = False) -> DeadlockError | None:
+    """The error for a wait for ``entry``'s lease slots that only ``own`` tasks (by id) can free.
+
+    The books know which task acquired each lease, not which task will end
+    it: ``lease.release()`` works from any task, so a lease taken with
+    ``lease = await cache.acquire(...)`` may have been handed to a worker
+    that ends it while its acquirer waits. Such a wait is hopeless only when
+    every lease holding the slots is ``bound`` (``Core.request``) to one of
+    ``own``, which cannot end it while it waits; one that may travel keeps
+    the wait alive (bounded by the acquire's own ``timeout``).
+    """
+    holders = entry.holders
+    if not holders or len(entry.bound) < len(holders):
+        return None  # (``bound`` is a sub-multiset of ``holders``: some lease may travel)
+    if any(id(holder) not in own for holder in holders):
+        return None
+    return DeadlockError(
+        f"acquiring {entry.owner.name}:{entry.key!r} would wait for a lease slot "
+        f"(concurrency={entry.slots}) that only this task's own lease on it can free"
+        + (" (or the tasks waiting for the load asking)" if loading else ""),
+        [(entry.owner.name, entry.key)],
+    )

@@ -29,9 +29,11 @@ import contextlib
 import heapq
 import math
 from collections.abc import Hashable
+from typing import Any
 
-from .._errors import BrokerClosed, DeadlockError
+from .._errors import BrokerClosed
 from .._policies._priorities import Priorities
+from . import _reach
 from ._effects import (
     CancelLoad,
     OwnerEmpty,
@@ -41,11 +43,23 @@ from ._effects import (
     StartMove,
     StartRelease,
 )
-from ._model import Entry, Owner, Reason, State, Ticket, _shrink_if_empty, sync
+from ._model import Entry, Owner, Reason, State, Ticket, _naming, _shrink_if_empty, sync
 from ._state import Books, keep
-from ._tiers import canonical, destination, freed, owner_space, reserved
+from ._tiers import (
+    canonical,
+    destination,
+    freed,
+    left_home,
+    owner_space,
+    parked_cost,
+    part,
+    reserved,
+    stayed,
+)
 
 __all__ = [
+    "move_failed",
+    "moved",
     "admit_weightless",
     "cancel_demotion",
     "check_empty",
@@ -67,6 +81,7 @@ __all__ = [
     "grant_slots",
     "hand_over",
     "hurry",
+    "join",
     "lease_joiners",
     "leave_idle",
     "open_gate",
@@ -81,7 +96,6 @@ __all__ = [
     "rest",
     "set_charge",
     "settle",
-    "slot_self_wait",
     "start_promotion",
     "start_release",
     "strand",
@@ -92,30 +106,6 @@ __all__ = [
     "wait_for_slot",
     "withdraw",
 ]
-
-
-def slot_self_wait(entry: Entry, own: set[int], *, loading: bool = False) -> DeadlockError | None:
-    """The error for a wait for ``entry``'s lease slots that only ``own`` tasks (by id) can free.
-
-    The books know which task acquired each lease, not which task will end
-    it: ``lease.release()`` works from any task, so a lease taken with
-    ``lease = await cache.acquire(...)`` may have been handed to a worker
-    that ends it while its acquirer waits. Such a wait is hopeless only when
-    every lease holding the slots is ``bound`` (``Core.request``) to one of
-    ``own``, which cannot end it while it waits; one that may travel keeps
-    the wait alive (bounded by the acquire's own ``timeout``).
-    """
-    holders = entry.holders
-    if not holders or len(entry.bound) < len(holders):
-        return None  # (``bound`` is a sub-multiset of ``holders``: some lease may travel)
-    if any(id(holder) not in own for holder in holders):
-        return None
-    return DeadlockError(
-        f"acquiring {entry.owner.name}:{entry.key!r} would wait for a lease slot "
-        f"(concurrency={entry.slots}) that only this task's own lease on it can free"
-        + (" (or the tasks waiting for the load asking)" if loading else ""),
-        [(entry.owner.name, entry.key)],
-    )
 
 
 def prepare_priority(books: Books, priority: int) -> None:
@@ -154,7 +144,7 @@ def wait_for_slot(
     load (which wait on it). See ``_slot_self_wait``.
     """
     own = {id(task)} | {id(t.task) for outer in loading for t in outer.joiners}
-    error = slot_self_wait(entry, own, loading=bool(loading))
+    error = _reach.slot_self_wait(entry, own, loading=bool(loading))
     if error is not None:
         raise error
     count_request(books, entry)
@@ -178,7 +168,7 @@ def grant_slots(books: Books, entry: Entry) -> None:
         granted += 1
     # A waiter whose own leases now hold every slot would wait for ever.
     for ticket in list(joiners):
-        error = slot_self_wait(entry, {id(ticket.task)})
+        error = _reach.slot_self_wait(entry, {id(ticket.task)})
         if error is not None:
             joiners.remove(ticket)
             ticket.outcome = error
@@ -227,6 +217,39 @@ def withdraw(books: Books, ticket: Ticket) -> bool:
         detach(books, entry)
         books.effects.append(CancelLoad(entry))
     return False
+
+
+def join(
+    books: Books,
+    entry: Entry,
+    task: object,
+    loading: tuple[Entry, ...],
+    held: tuple[Entry, ...] | None,
+    *,
+    bound: bool,
+    mine: list[Entry],
+) -> Ticket:
+    """A request of ``task`` waits for ``entry``'s load or move: its ticket joins the entry.
+
+    The ticket *holds* (it may pass blocked waiters, ``Books.holding_waiters``)
+    when its task leases, or its loaders reserve, room where ``entry`` needs it
+    (``mine``, ``loading``).
+    """
+    ticket = Ticket(entry, task, loading, held)
+    ticket.bound = bound
+    entry.joiners.append(ticket)
+    if loading:
+        for outer in loading:
+            outer.nested = [t for t in outer.nested if t.outcome is None]
+            outer.nested.append(ticket)
+    if (entry.state is State.WAITING or entry in books.queue) and (
+        mine or any(not outer.need.keys().isdisjoint(entry.need) for outer in loading)
+    ):
+        ticket.holds = True
+        entry.holding += 1
+        if entry.holding == 1 and not entry.gated:
+            books.holding_waiters += 1
+    return ticket
 
 
 def create(
@@ -734,3 +757,93 @@ def come_home(books: Books, entry: Entry) -> None:
         if entry.leases:
             books.busy[entry] = None
     sync(entry)
+
+
+def moved(
+    books: Books,
+    entry: Entry,
+    value: Any,
+    measured: dict[str, int] | None,
+    seconds: float,
+    now: float,
+) -> bool:
+    """The state changes of ``Core.move_done`` (its docstring says what they are)."""
+    going = freed(entry)
+    planned = entry.target or {}
+    no_room = False
+    for name, amount in going.items():
+        space = books.spaces[name]
+        space.used -= amount
+        space.releasing -= amount
+    if books.on_remove is not None:
+        books.on_remove(entry)  # (indexed by the charge it leaves)
+    before = entry.charge
+    assert entry.target is not None
+    set_charge(books, entry, entry.target)
+    entry.target = None
+    entry.value = value
+    if measured is not None:
+        if books.canon:
+            measured = canonical(books.canon, measured)
+        if measured != entry.charge:
+            recharge(books, entry, measured)
+    if entry.promoting:
+        entry.promoting = False
+        entry.home = None
+        entry.promote_cost = seconds
+        keep(books.promote_history, (entry.cache, entry.key), seconds)
+        entry.cost = entry.reload
+        entry.state = State.READY
+        books.promotions += 1
+    else:
+        home = before if entry.home is None else entry.home
+        if left_home(home, entry.charge):
+            entry.home = home
+            part(entry)
+            entry.cost = parked_cost(entry)
+            entry.state = State.DEMOTED
+            books.demotions += 1
+        else:  # (home: a move within one memory, or measured where it was)
+            entry.home = None
+            entry.cost = entry.reload
+            entry.state = State.READY
+        if no_room := stayed(going, planned, entry.charge):
+            entry.doomed = entry.doomed or Reason.CAPACITY
+            if entry.joiners:  # (they get it; new requests load afresh)
+                detach(books, entry)
+        # (idle since its last lease ended, not since it moved)
+        now = entry.idle_since
+    if books.on_admit is not None:
+        books.on_admit(entry)
+    if entry.state is State.READY:
+        lease_joiners(books, entry)
+        if entry.leases:
+            books.busy[entry] = None
+        else:
+            rest(books, entry, now)
+    elif entry.joiners:
+        queue_promotion(books, entry, entry.home)
+    else:
+        rest(books, entry, now)
+    sync(entry)
+    return no_room
+
+
+def move_failed(books: Books, entry: Entry, error: BaseException) -> None:
+    """The state changes of ``Core.move_failed`` (its docstring says what they are)."""
+    for name, amount in freed(entry).items():
+        books.spaces[name].releasing -= amount
+    target = entry.target or {}
+    both = {
+        name: max(entry.charge.get(name, 0), target.get(name, 0))
+        for name in (*entry.charge, *target)
+    }
+    if entry.joiners:
+        fail_joiners(books, entry, _naming(error, entry))
+    books.moves_failed += 1
+    hand_over(books, entry)
+    gone(books, entry)  # (leaves the policy by the charge it was indexed by)
+    entry.target = None
+    entry.promoting = False
+    set_charge(books, entry, both)
+    quarantine(books, entry, error)
