@@ -41,7 +41,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from cachebroker import Broker, BrokerClosed, format_bytes
 from cachebroker._remote import _client
 from cachebroker._remote import _protocol as wire
-from cachebroker._remote._client import ClientRunner
+from cachebroker._remote._client import LinkAdmission
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 from tests.test_broker import loader, wait_until
 
@@ -878,9 +878,9 @@ async def test_a_release_asked_of_an_entry_leased_again_is_refused(
                 ):
                     await (await a.acquire("x", load=loader("x"), size=60)).release()
                     # The release request reaches the first process late: after its new lease.
-                    runner = first._runner
-                    assert isinstance(runner, ClientRunner) and runner.link is not None
-                    link = runner.link
+                    side = first._runner.remote
+                    assert isinstance(side, LinkAdmission) and side.link is not None
+                    link = side.link
                     asked: list[int] = []
                     link.give_up = asked.append  # type: ignore[method-assign,assignment]
 
