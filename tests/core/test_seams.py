@@ -1,8 +1,9 @@
-"""The books are extended through their seam, never by subclassing them.
+"""The books and the runner are extended through their seams, never by subclassing them.
 
 Books shared with another process plug into ``Core`` through ``Seam``
-(``_core/_seam.py``); a subclass outside ``_core`` that overrides a step
-would make every ``self._x()`` in the books ambiguous again.
+(``_core/_seam.py``), and the runner's other side through ``Remote``
+(``_shell/_seam.py``); a subclass outside their package that overrides a
+step would make every ``self._x()`` there ambiguous again.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import cachebroker
 
 SOURCE = Path(cachebroker.__file__).resolve().parent
 
-#: Each class the books' package keeps to itself, and the package that may subclass it.
-SEALED = {"Core": "_core", "Books": "_core"}
+#: Each class a package keeps to itself, and the package that may subclass it.
+SEALED = {"Core": "_core", "Books": "_core", "Runner": "_shell"}
 
 
 def subclasses_outside(sealed: dict[str, str]) -> list[str]:
@@ -33,10 +34,11 @@ def subclasses_outside(sealed: dict[str, str]) -> list[str]:
     return found
 
 
-def test_no_class_outside_the_core_subclasses_the_books() -> None:
+def test_no_class_outside_its_package_subclasses_the_books_or_the_runner() -> None:
     assert subclasses_outside(SEALED) == []
 
 
 def test_the_check_finds_a_subclass() -> None:
     """The walk sees a subclass where there is one (it would pass vacuously otherwise)."""
-    assert any("ClientRunner(Runner)" in line for line in subclasses_outside({"Runner": "_shell"}))
+    found = subclasses_outside({"Broker": "_shell"})
+    assert "_remote/_daemon.py: DaemonBroker(Broker)" in found

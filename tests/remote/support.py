@@ -17,7 +17,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from cachebroker import Broker
-from cachebroker._remote._client import ClientRunner, Link
+from cachebroker._remote._client import Link, LinkAdmission
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 from tests.helpers import socket_path
 
@@ -60,9 +60,9 @@ async def until(condition: Callable[[], bool]) -> None:
 
 
 def link_of(broker: Broker) -> Link | None:
-    runner = broker._runner
-    assert isinstance(runner, ClientRunner)
-    return runner.link
+    side = broker._runner.remote
+    assert isinstance(side, LinkAdmission)
+    return side.link
 
 
 def states(daemon: Daemon) -> list[str]:

@@ -34,7 +34,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from cachebroker import Broker, BrokerClosed, format_bytes
 from cachebroker._remote import _client
 from cachebroker._remote import _protocol as wire
-from cachebroker._remote._client import ClientRunner
+from cachebroker._remote._client import LinkAdmission
 from cachebroker._remote._daemon import Daemon
 from tests.helpers import loader, wait_until
 from tests.remote.processes import (
@@ -701,9 +701,9 @@ async def test_a_release_asked_of_an_entry_leased_again_is_refused(
                 ):
                     await (await a.acquire("x", load=loader("x"), size=60)).release()
                     # The release request reaches the first process late: after its new lease.
-                    runner = first._runner
-                    assert isinstance(runner, ClientRunner) and runner.link is not None
-                    link = runner.link
+                    side = first._runner.remote
+                    assert isinstance(side, LinkAdmission) and side.link is not None
+                    link = side.link
                     asked: list[int] = []
                     link.give_up = asked.append  # type: ignore[method-assign,assignment]
 

@@ -22,7 +22,7 @@ import anyio.lowlevel
 import pytest
 
 from cachebroker import AcquireTimeout, Broker, BrokerClosed, InvalidArgument
-from cachebroker._remote._client import ClientRunner, Link
+from cachebroker._remote._client import Link, LinkAdmission
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 from tests.remote.support import Plugin, used
 
@@ -89,9 +89,9 @@ async def until(condition: Callable[[], bool]) -> None:
 
 
 def link_of(broker: Broker) -> Link:
-    runner = broker._runner
-    assert isinstance(runner, ClientRunner) and runner.link is not None
-    return runner.link
+    side = broker._runner.remote
+    assert isinstance(side, LinkAdmission) and side.link is not None
+    return side.link
 
 
 def listed(daemon: Daemon) -> list[tuple[str, str, int, dict[str, int]]]:

@@ -34,7 +34,7 @@ from cachebroker import (
 )
 from cachebroker._core import FAIR_REQUESTS
 from cachebroker._remote import _protocol as wire
-from cachebroker._remote._client import ClientRunner
+from cachebroker._remote._client import LinkAdmission
 from cachebroker._remote._daemon import Connection, Daemon
 from cachebroker.probes import Probe
 from tests.remote.support import Plugin, link_of, serving, states, stoppable, until, used, value
@@ -47,7 +47,7 @@ async def test_a_connected_broker_has_the_brokers_api_and_the_daemons_settings()
         async with Broker.connect(daemon.address) as broker:
             assert isinstance(broker, Broker)
             runner = broker._runner
-            assert isinstance(runner, ClientRunner)
+            assert isinstance(runner.remote, LinkAdmission)
             assert runner.budget == {"m": 100, "n": 50}
             assert runner.idle_ttl == 30 and runner.release_timeout == 7
             plugin = Plugin()
@@ -295,7 +295,7 @@ async def test_from_env_connects_when_cachebroker_address_is_set() -> None:
     async with serving() as daemon:
         environ = {"CACHEBROKER_ADDRESS": daemon.address, "CACHEBROKER_BUDGET": "1GiB"}
         async with Broker.from_env(environ) as broker:
-            assert isinstance(broker._runner, ClientRunner)
+            assert isinstance(broker._runner.remote, LinkAdmission)
             assert broker._runner.budget == {"m": 100}
         with pytest.raises(InvalidArgument, match="budget"):
             Broker.from_env(environ, budget="2GiB")

@@ -67,9 +67,9 @@ async def test_a_pinned_entry_is_pinned_not_leased_in_the_daemon(
                     await queued(daemon)
                     # The pin holds the room against the waiter: never a victim, no lease.
                     for _ in range(2):
-                        daemon.runner._check_held_leases()
+                        daemon.broker._runner.held_leases.check()
                         now[0] += 1.0
-                    daemon.runner._check_held_leases()
+                    daemon.broker._runner.held_leases.check()
                     assert held_events(events) == []
                     assert listed(daemon)[0] == {**expected, "state": "ready"}
                     assert used(daemon) == 60
@@ -124,9 +124,9 @@ async def test_a_held_lease_is_named_by_its_process_and_cache(
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(wait_for_room)
                         await queued(daemon)
-                        daemon.runner._check_held_leases()
+                        daemon.broker._runner.held_leases.check()
                         now[0] += 1.0
-                        daemon.runner._check_held_leases()
+                        daemon.broker._runner.held_leases.check()
                         (held,) = held_events(events)
                         tg.cancel_scope.cancel()
                 assert not scope.cancelled_caught

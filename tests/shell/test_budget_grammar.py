@@ -73,11 +73,11 @@ def test_a_probed_space_is_read_the_same_at_every_door(monkeypatch: pytest.Monke
     pytest.importorskip("psutil")
     for budget in ("ram=system-4GiB,x=1KiB", {"ram": "system-4GiB", "x": "1KiB"}):
         broker = Broker(budget=budget)
-        (probe,) = broker._runner._probes.values()
+        (probe,) = broker._runner.probes.probes.values()
         assert isinstance(probe, SystemMemory) and probe.headroom == 4 << 30
-        assert list(broker._runner._probes) == ["ram"]
+        assert list(broker._runner.probes.probes) == ["ram"]
     from_env = Broker.from_env({"CACHEBROKER_BUDGET": "ram=system-4GiB,x=1KiB"})
-    assert list(from_env._runner._probes) == ["ram"]
+    assert list(from_env._runner.probes.probes) == ["ram"]
     served = served_budget(monkeypatch, "ram=system-4GiB,x=1KiB")
     assert served["x"] == 1024 and served["ram"] > 0  # the probe's first reading
 

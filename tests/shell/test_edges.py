@@ -420,7 +420,7 @@ async def test_lease_held_long_while_requests_wait_is_reported(
             forgotten = await cache.acquire("a", load=loader(1), size=60)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(once, cache.acquire("b", load=loader(2), size=60))
-                await wait_until(lambda: forgotten._entry in broker._runner.held)
+                await wait_until(lambda: forgotten._entry in broker._runner.held_leases.held)
                 assert not [e for e in events if e["event"] == "cachebroker.lease.held"]
                 now[0] += 1.0  # the sweeper checks every lease_warning / 4 (real) seconds
                 await wait_until(

@@ -22,7 +22,6 @@ import math
 import os
 import socket
 from collections.abc import Awaitable, Callable, Collection, Hashable, Mapping
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -35,14 +34,15 @@ from .. import _log_events as ev
 from .._core import FAIR_REQUESTS, UNBOUNDED, Core, Entry, Reason, State
 from .._errors import BrokerClosed, DeadlockError
 from .._policies import make_policy
-from .._shell._actor import Block
-from .._shell._config import MoveFunction, ReleaseFunction, oom_error_types
+from .._shell._config import oom_error_types
 from .._shell._runner import Runner
+from .._shell._seam import FailedThere, Refused, Terms
+from .._shell._steps import Spawn, Steps
 from . import _protocol as wire
 from ._protocol import ProtocolError
 from ._sockets import connect
 
-__all__ = ["ClientRunner", "ClientSeam", "Link", "Reconnect", "client_books"]
+__all__ = ["ClientSeam", "Link", "LinkAdmission", "Reconnect", "client_books", "connected_runner"]
 
 #: Seconds to connect and be welcomed, to be told the daemon's totals, and to
 #: send what is left when the broker closes.
@@ -284,10 +284,17 @@ class Link:
     """The connection to the daemon, and what this process has told it."""
 
     def __init__(
-        self, address: str, runner: ClientRunner, reconnect: Reconnect | None = None
+        self,
+        address: str,
+        runner: Steps,
+        opened: Mapping[str, None],
+        reconnect: Reconnect | None = None,
     ) -> None:
         self.address = address
+        #: The runner it steps, seen as its parts see it.
         self.runner = runner
+        #: The caches open in this process, in the order they were opened.
+        self.opened = opened
         self.reconnect = Reconnect() if reconnect is None else reconnect
         #: False while the daemon is away and this process tries to connect again.
         self.online = True
@@ -308,7 +315,7 @@ class Link:
         #: a later ``acquire(priority=)`` is reported with the entry's state.
         self.priorities: dict[Entry, int] = {}
         self.admitting: dict[int, _Admission] = {}
-        #: The entries whose load waits for the daemon's grant (``Runner.admitting``).
+        #: The entries whose load waits for the daemon's grant (``LinkAdmission.admitting``).
         self.awaiting: dict[Entry, None] = {}
         #: Questions asked of the daemon (``ask_why``), by request number.
         self._whys: dict[int, _Why] = {}
@@ -654,7 +661,7 @@ class Link:
             space.budget = budget.get(name, space.budget)
             space.limit = limit.get(name, space.limit)
         messages: list[dict[str, Any]] = []
-        open_caches = list(runner.opened)
+        open_caches = list(self.opened)
         messages.extend({"op": "open", "cache": name} for name in open_caches)
         closed: dict[str, None] = {}
         adopted = 0
@@ -843,130 +850,111 @@ class Link:
         return self.totals
 
 
-class ClientRunner(Runner):
-    """The runner of a broker connected to a shared one: admission waits for the daemon."""
+def connected_runner(
+    address: str,
+    *,
+    logger: object,
+    oom_errors: tuple[type[BaseException], ...] = (),
+    reconnect: Reconnect | None = None,
+) -> Runner:
+    """The runner of a broker connected to a shared one (``Broker.connect``).
 
-    __slots__ = ("address", "link", "opened", "reconnect")
+    An ordinary runner whose other side is the link (``LinkAdmission``): its
+    books and settings are the daemon's, from its ``welcome`` on.
+    """
+    return Runner(
+        client_books({}, None),
+        budget={},
+        probes={},
+        idle_ttl=None,
+        release_timeout=30.0,
+        blocking_warning=0.1,
+        lease_warning=60.0,
+        memory_wait=None,
+        probe_interval=None,
+        oom_errors=oom_errors or oom_error_types(()),
+        oom_retries=8,
+        alias_threshold=3,
+        clock=None,
+        logger=logger,
+        remote=LinkAdmission(address, reconnect),
+    )
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        logger: object,
-        oom_errors: tuple[type[BaseException], ...] = (),
-        reconnect: Reconnect | None = None,
-    ) -> None:
-        super().__init__(
-            client_books({}, None),
-            budget={},
-            probes={},
-            idle_ttl=None,
-            release_timeout=30.0,
-            blocking_warning=0.1,
-            lease_warning=60.0,
-            memory_wait=None,
-            probe_interval=None,
-            oom_errors=oom_errors or oom_error_types(()),
-            oom_retries=8,
-            alias_threshold=3,
-            clock=None,
-            logger=logger,
-        )
-        self.address = address
-        self.link: Link | None = None
-        self.reconnect = Reconnect() if reconnect is None else reconnect
-        #: The caches open here, in the order they were opened (``Link.register``).
-        self.opened: dict[str, None] = {}
 
-    async def start(self) -> None:
-        link = Link(self.address, self, self.reconnect)
-        welcome = await link.open()
-        try:
-            budget = wire.charge(welcome, "budget") or {}
-            idle_ttl = welcome.get("idle_ttl")
-            release_timeout = welcome.get("release_timeout")
-            limit = wire.charge(welcome, "limit")
-            self.core = client_books(budget, idle_ttl, limit, seam=link.seam)
-            self.budget = dict(budget)
-            self.idle_ttl = idle_ttl
-            self.release_timeout = release_timeout
-            self.link = link
-            await super().start()
-        except BaseException:
-            await anyio.aclose_forcefully(link.stream)  # type: ignore[arg-type]
-            raise
-        self._spawn(link.run, name=f"cachebroker link {self.address}")
+class LinkAdmission:
+    """The side of a broker connected to a shared one (``Remote``): admission waits for the daemon.
 
-    async def stop(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool:
-        try:
-            with anyio.CancelScope(shield=True):
-                for cache in list(self._caches.values()):
-                    await self._shut(cache, BrokerClosed("the broker was closed"))
-                await self._await_orphans()
-                if self.link is not None:
-                    await self.link.finish()
-        except BaseException:
-            await super().stop(exc_type, exc, tb)
-            raise
-        return await super().stop(exc_type, exc, tb)
+    It connects before the runner starts (the daemon's welcome gives the
+    books their budget and the settings), serves the link in the broker's
+    task group, tells the daemon of each cache and each load these books
+    grant, and has each load wait for the daemon's grant (``Link.admit``).
+    """
 
-    async def open_block(
-        self,
-        name: str,
-        release: ReleaseFunction,
-        *,
-        slots: int | None = None,
-        priority: int = 0,
-        ttl: float | None = None,
-        move: MoveFunction | None = None,
-    ) -> Block:
-        # (The books here have no tiers: the shared broker's decide, and it
-        # moves nothing; a releaser's move is never called.)
-        block = await super().open_block(
-            name, release, slots=slots, priority=priority, ttl=ttl, move=move
-        )
-        assert self.link is not None
-        self.opened[name] = None
-        self.link.post({"op": "open", "cache": name})
-        return block
-
-    async def close_block(
-        self,
-        block: Block,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        try:
-            return await super().close_block(block, exc_type, exc, tb)
-        finally:
-            assert self.link is not None
-            self.opened.pop(block.name, None)
-            self.link.post({"op": "close", "cache": block.name})
-
-    def _start_load(self, entry: Entry) -> None:
-        assert self.link is not None
-        self.link.request(entry)
-        super()._start_load(entry)
+    __slots__ = ("_runner", "address", "link", "opened", "reconnect", "shared_used")
 
     #: (The shared broker's books would have to choose among places: not yet.)
     placement = False
 
     admits_elsewhere = True
 
+    def __init__(self, address: str, reconnect: Reconnect | None = None) -> None:
+        self.address = address
+        self.link: Link | None = None
+        self.reconnect = Reconnect() if reconnect is None else reconnect
+        #: The caches open here, in the order they were opened (``Link.register``).
+        self.opened: dict[str, None] = {}
+        self._runner: Steps | None = None
+        #: The daemon's last news of the shared books: bytes used per space.
+        self.shared_used: Mapping[str, int] | None = None
+
+    async def start(self, runner: Steps) -> Terms | None:
+        link = Link(self.address, runner, self.opened, self.reconnect)
+        welcome = await link.open()
+        try:
+            budget = wire.charge(welcome, "budget") or {}
+            idle_ttl = welcome.get("idle_ttl")
+            release_timeout = welcome.get("release_timeout")
+            limit = wire.charge(welcome, "limit")
+            core = client_books(budget, idle_ttl, limit, seam=link.seam)
+        except BaseException:
+            await anyio.aclose_forcefully(link.stream)  # type: ignore[arg-type]
+            raise
+        self.link = link
+        self._runner = runner
+        return Terms(core, dict(budget), idle_ttl, release_timeout)
+
+    def started(self, spawn: Spawn) -> None:
+        assert self.link is not None
+        spawn(self.link.run, name=f"cachebroker link {self.address}")
+
+    async def stop(self) -> None:
+        if self.link is not None:
+            await self.link.finish()
+
+    def cache_opened(self, name: str) -> None:
+        # (The books here have no tiers: the shared broker's decide, and it
+        # moves nothing; a releaser's move is never called.)
+        assert self.link is not None
+        self.opened[name] = None
+        self.link.post({"op": "open", "cache": name})
+
+    def cache_closed(self, name: str) -> None:
+        assert self.link is not None
+        self.opened.pop(name, None)
+        self.link.post({"op": "close", "cache": name})
+
+    def load_started(self, entry: Entry) -> None:
+        assert self.link is not None
+        self.link.request(entry)
+
     def admitting(self) -> Collection[Entry]:
         return () if self.link is None else self.link.awaiting
 
-    async def _admit(self, entry: Entry) -> BaseException | None:
+    async def admit(self, entry: Entry) -> BaseException | None:
         assert self.link is not None
         return await self.link.admit(entry)
 
-    def _ask_why(self, entry: Entry) -> Callable[[str], Awaitable[str]] | None:
+    def ask_why(self, entry: Entry) -> Callable[[str], Awaitable[str]] | None:
         link = self.link
         if link is None or not link.online or link.told.get(entry, "") is not None:
             return None
@@ -978,16 +966,16 @@ class ClientRunner(Runner):
 
         return because
 
-    def _waiting_for(self, entry: Entry) -> tuple[str | None, str]:
+    def waiting_for(self, entry: Entry) -> tuple[str | None, str] | None:
         link = self.link
         if link is not None and entry in link.told and link.told[entry] is None:
             if not link.online:
                 return "space", f"the broker at {self.address} to come back (reconnecting)"
             return "space", f"space from the broker at {self.address}"
-        return super()._waiting_for(entry)
+        return None
 
     async def shared_totals(self) -> Mapping[str, int] | None:
-        if self.link is None:
+        if self.link is None or self._runner is None:
             return None
         totals = await self.link.fetch_totals()
         if totals is None:
@@ -996,7 +984,13 @@ class ClientRunner(Runner):
         used = self.shared_used = wire.charge(totals, "used")
         budget = wire.charge(totals, "budget") or {}
         limit = wire.charge(totals, "limit") or {}
-        for name, space in self.core.spaces.items():  # probed spaces move
+        for name, space in self._runner.core.spaces.items():  # probed spaces move
             space.budget = budget.get(name, space.budget)
             space.limit = limit.get(name, space.limit)
         return used
+
+    def release_outcome(self, exc: BaseException) -> Refused | FailedThere | None:
+        return None  # (its releases run here)
+
+    def holder_names(self, entry: Entry) -> list[str] | None:
+        return None  # (its holders are its own tasks)

@@ -44,12 +44,12 @@ from .._errors import InvalidArgument, LeasesOutstanding, LoadFailed, ReleaseFai
 from .._shell._actor import Block
 from .._shell._broker import Broker
 from .._shell._config import positive_seconds
-from .._shell._runner import Runner
+from .._shell._seam import FailedThere, Local, Refused
 from . import _protocol as wire
 from ._protocol import ProtocolError
 from ._sockets import connect, listen
 
-__all__ = ["Daemon", "DaemonBroker"]
+__all__ = ["Daemon", "DaemonBroker", "DaemonReleases"]
 
 #: Seconds a new connection has to say hello (``Daemon(hello_timeout=...)``).
 HELLO_TIMEOUT = 10.0
@@ -99,7 +99,8 @@ _REASONS = {reason.value: reason for reason in Reason}
 class _Refused(BaseException):
     """The process leased the entry again before the release request arrived.
 
-    A ``BaseException``, so that nothing on its way to ``_release_failed`` takes it for a failure.
+    A ``BaseException``, so that nothing on its way to the runner's ``Releases`` takes it
+    for a failure (``DaemonReleases.release_outcome`` says what it is).
     """
 
     def __init__(self, holder: object, then: Callable[[], None]) -> None:
@@ -122,38 +123,32 @@ class _FailedThere(Exception):
         self.overdue = overdue
 
 
-class DaemonRunner(Runner):
-    """The daemon's runner: a refused release gives the entry back its lease.
+class DaemonReleases(Local):
+    """The daemon's side of its runner (``Remote``): its releases end in the processes.
 
-    Its entries' holders are processes: events name them by pid and cache
+    A release the process refused (it leased the entry again) gives the
+    entry back its lease; one that failed or overran there says so. Its
+    entries' holders are processes: events name them by pid and cache
     (``owners``, the daemon's map of each owner to its connection and cache).
     """
 
     __slots__ = ("owners",)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self) -> None:
         self.owners: Mapping[Any, tuple[Connection, str]] = {}
 
-    def _release_failed(self, entry: Entry, exc: BaseException) -> bool:
+    def release_outcome(self, exc: BaseException) -> Refused | FailedThere | None:
         if isinstance(exc, _Refused):
-            self.core.release_refused(entry, exc.holder)
-            exc.then()  # (pinned there: pinned here, the lease just given back ends)
-            self.emit("info", ev.RELEASE_REFUSED, cache=entry.owner.name, key=entry.key)
-            return False
+            return Refused(exc.holder, exc.then)
         if isinstance(exc, _FailedThere):
-            if exc.overdue:
-                self.core.release_overdue(entry, exc.error)
-            else:
-                self.core.release_failed(entry, exc.error)
-            return False
-        return super()._release_failed(entry, exc)
+            return FailedThere(exc.error, overdue=exc.overdue)
+        return None
 
-    def _holder_names(self, entry: Entry) -> list[str]:
+    def holder_names(self, entry: Entry) -> list[str] | None:
         """``process 1234 (cache whisper)``: the process whose entry it is holds every lease."""
         found = self.owners.get(entry.owner)
         if found is None:
-            return super()._holder_names(entry)
+            return None
         connection, cache = found
         return [f"process {connection.pid} (cache {cache})"] if entry.holders else []
 
@@ -242,16 +237,16 @@ def pin(books: Core, entry: Entry, pinned: bool, now: float) -> None:
 
 
 class DaemonBroker(Broker):
-    """The broker the daemon runs (``DaemonRunner``).
+    """The broker the daemon runs (its runner's side: ``DaemonReleases``).
 
     Its ``idle_ttl`` is the processes' default, not a timer of its own: each
     process runs its entries' idle timers, so that an entry's own
     ``acquire(idle_ttl=...)`` wins there as in-process.
     """
 
-    _Runner = DaemonRunner
-
     def __init__(self, budget: Any, *, idle_ttl: float | None = None, **settings: Any) -> None:
+        #: How its releases end in the processes, and who holds its entries.
+        self.releases = self._remote = DaemonReleases()
         super().__init__(budget, **settings)
         #: What the processes take as their default idle TTL (``welcome``).
         self.idle_ttl = positive_seconds(idle_ttl, "idle_ttl", inf_is_none=True)
@@ -904,7 +899,7 @@ class Daemon:
         hello_timeout: float = HELLO_TIMEOUT,
     ) -> None:
         self.broker = broker
-        self.runner = broker._runner
+        self.runner = broker._relay
         self.address = address
         #: The only user whose processes may connect.
         self.uid = os.getuid() if uid is None else uid
@@ -942,8 +937,7 @@ class Daemon:
         self._kept: dict[str, anyio.Event] = {}
         #: How many kept holds each process has (``keep``).
         self._holding: dict[int, int] = {}
-        if isinstance(self.runner, DaemonRunner):
-            self.runner.owners = self.owners
+        broker.releases.owners = self.owners
 
     @property
     def peers_path(self) -> str:

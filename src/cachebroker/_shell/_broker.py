@@ -44,6 +44,7 @@ from ._config import (
     split_probes,
 )
 from ._runner import Runner
+from ._seam import LOCAL, Relay, Remote
 
 __all__ = ["Broker", "check_running"]
 
@@ -125,10 +126,9 @@ class Broker:
     .. versionadded:: 0.1.0
     """
 
-    #: What runs the books, and the books (the daemon of ``cachebroker serve``
-    #: runs its own kinds).
-    _Runner: type[Runner] = Runner
-    _Books: type[Core] = Core
+    #: The runner's other side (the daemon of ``cachebroker serve`` sets its
+    #: own before it builds the runner).
+    _remote: Remote = LOCAL
 
     def __init__(
         self,
@@ -164,7 +164,7 @@ class Broker:
         lease_warning = positive_seconds(lease_warning, "lease_warning", inf_is_none=True)
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
-        core = self._core = self._Books(
+        core = self._core = Core(
             spaces,
             make_policy(policy),
             idle_ttl=idle_ttl,
@@ -180,7 +180,7 @@ class Broker:
         for group in alias_groups(aliases, spaces):
             for name in group[1:]:
                 core.merge_spaces(group[0], name)
-        self._runner = self._Runner(
+        self._runner = Runner(
             core,
             budget=dict(spaces),
             probes=probes,
@@ -195,6 +195,7 @@ class Broker:
             alias_threshold=alias_threshold,
             clock=clock,
             logger=_logging.check_logger(logger),
+            remote=self._remote,
         )
 
     # ------------------------------------------------------------ life cycle
@@ -247,7 +248,7 @@ class Broker:
         .. versionchanged:: 0.1.0
            ``reconnect`` and its settings.
         """
-        from .._remote._client import ClientRunner, Reconnect  # (only when asked for)
+        from .._remote._client import Reconnect, connected_runner  # (only when asked for)
 
         if not isinstance(reconnect, bool):
             raise TypeError(f"reconnect must be True or False, got {reconnect!r}")
@@ -259,7 +260,7 @@ class Broker:
                 f"({reconnect_max_delay!r}) must be seconds, the first at most the second"
             )
         timeout = positive_seconds(reconnect_timeout, "reconnect_timeout", inf_is_none=True)
-        runner = ClientRunner(
+        runner = connected_runner(
             _address(address),
             logger=_logging.check_logger(logger),
             oom_errors=oom_error_types(oom_errors),
@@ -441,13 +442,25 @@ class Broker:
         """Stop calling ``listener``; a listener that is not registered is ignored."""
         self._runner.remove_listener(listener)
 
+    def _emit(self, level: str, event: str, **fields: Any) -> None:
+        """Log ``event`` at ``level`` as the broker's own, and hand it to the listeners.
+
+        For what runs beside the broker and speaks in its events (``cachebroker.ray``).
+        """
+        self._runner.emit(level, event, **fields)
+
+    @property
+    def _relay(self) -> Relay:
+        """What a broker serving other processes steps for them (``_remote._daemon``)."""
+        return self._runner
+
     async def stats(self) -> Stats:
         """Return a snapshot of the books (see ``Stats``).
 
         The snapshot is taken in one step; the call is a checkpoint, so it may
         raise the caller's cancellation, and nothing else.
         """
-        await self._runner.shared_totals()
+        await self._runner.remote.shared_totals()
         return self.stats_nowait()
 
     async def entries(self) -> list[EntryInfo]:
@@ -474,7 +487,7 @@ class Broker:
         idle_ttl = self._runner.idle_ttl
         now: float | None = None
         infos: list[tuple[str, str, int, EntryInfo]] = []
-        admitting = self._runner.admitting()
+        admitting = self._runner.remote.admitting()
         for entry in core.entries():
             state = entry.state
             # (a load granted here that waits for the shared broker's grant waits for space)
@@ -534,7 +547,7 @@ class Broker:
         used = {name: space.used for name, space in core.spaces.items()}
         # Loads granted here that wait for the shared broker's grant wait for
         # space, as queued requests do: counted so, and not in ``used``.
-        admitting = self._runner.admitting()
+        admitting = self._runner.remote.admitting()
         for entry in admitting:
             waiting += len(entry.joiners)
             counts[State.LOADING] -= 1
@@ -564,8 +577,8 @@ class Broker:
             aliases=tuple(core.aliases()),
             releases={reason.value: n for reason, n in core.evictions.items()},
             releases_failed=core.releases_failed,
-            releases_timed_out=self._runner.release_timeouts,
-            releases_blocking=self._runner.releases_blocking,
+            releases_timed_out=self._runner.releases.timeouts,
+            releases_blocking=self._runner.releases.blocking,
             waiting=waiting,
             waiting_for_lease=waiting_for_lease,
             loading=counts[State.LOADING],
@@ -574,7 +587,7 @@ class Broker:
             releasing=counts[State.RELEASING],
             quarantined=counts[State.QUARANTINED],
             quarantined_keys=tuple((entry.owner.name, entry.key) for entry in core.quarantined),
-            broker_used=self._runner.shared_used,
+            broker_used=self._runner.remote.shared_used,
             moving=counts[State.MOVING],
             demoted=counts[State.DEMOTED],
             demotions=core.demotions,

@@ -578,7 +578,7 @@ class Replica:
 
     def _emit(self, level: str, event: str, **fields: Any) -> None:
         if self._broker is not None:
-            self._broker._runner.emit(level, event, **fields)
+            self._broker._emit(level, event, **fields)
 
     def loaders(self) -> list[Loader]:
         return list(self._models)
