@@ -136,3 +136,98 @@ def test_import_cachebroker_sizes_loads_no_framework_and_nothing_heavy() -> None
 
 def test_the_check_sees_a_framework_when_it_is_loaded() -> None:
     assert "numpy" in loaded_by("import", "numpy", watched=FRAMEWORKS)
+
+
+# ------------------------------------------------ import circles, the books' size
+
+PACKAGE = Path(cachebroker.__file__).resolve().parent
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Each module of ``package`` -> the modules of it that it imports, ``TYPE_CHECKING``
+    imports included (a circle there is a circle in the design, if not at run time)."""
+    import ast
+
+    modules: dict[str, Path] = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = (
+                    here.split(".")[: len(here.split(".")) - node.level + 1] if node.level else []
+                )
+                target = ".".join([*base, *([node.module] if node.module else [])])
+                for alias in node.names:  # (``from . import x``: the module x, if it is one)
+                    imported = f"{target}.{alias.name}"
+                    imported = imported if imported in modules else target
+                    if imported in modules and imported != name:
+                        graph[name].add(imported)
+            elif isinstance(node, ast.Import):
+                graph[name].update(a.name for a in node.names if a.name in modules)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while (member := stack.pop()) != node:
+                component.append(member)
+            component.append(node)
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_in_the_package() -> None:
+    assert circles(import_graph(PACKAGE)) == []
+
+
+def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
+    """A ``TYPE_CHECKING`` import closing a circle is found (the check could pass vacuously)."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "_a.py").write_text("from ._b import B\n")
+    (package / "_b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import _a\nB = 1\n"
+    )
+    assert circles(import_graph(package)) == [["pkg._a", "pkg._b"]]
+
+
+def test_the_books_have_at_most_50_methods() -> None:
+    """``Core``'s steps and views, those of its state (``Books``) included."""
+    from cachebroker._core import Core
+
+    methods = {
+        name
+        for klass in Core.__mro__[:-1]
+        for name, member in vars(klass).items()
+        if callable(member) or isinstance(member, property)
+        if not (name.startswith("__") and name.endswith("__"))
+    }
+    assert len(methods) <= 50, sorted(methods)

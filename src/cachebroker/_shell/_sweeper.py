@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import anyio
 
@@ -22,10 +22,17 @@ from ..probes import Probe
 from . import _logging
 from ._steps import Steps
 
-if TYPE_CHECKING:
-    from ._releases import HeldLeases
+__all__ = ["HeldCheck", "Probes", "Sweeper"]
 
-__all__ = ["Probes", "Sweeper"]
+
+class HeldCheck(Protocol):
+    """What the sweeper runs for leases held too long (``_releases.HeldLeases``)."""
+
+    #: Seconds a lease may be held while requests wait for its space (``None``: no check).
+    limit: float | None
+
+    def check(self) -> None:
+        """Report the leases held ``limit`` seconds by now."""
 
 
 class Probes:
@@ -134,7 +141,7 @@ class Sweeper:
     __slots__ = ("_at", "_held", "_interval", "_probes", "_steps", "_wake")
 
     def __init__(
-        self, steps: Steps, probes: Probes, held: HeldLeases, probe_interval: float | None
+        self, steps: Steps, probes: Probes, held: HeldCheck, probe_interval: float | None
     ) -> None:
         self._steps = steps
         self._probes = probes
