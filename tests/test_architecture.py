@@ -138,7 +138,7 @@ def test_the_check_sees_a_framework_when_it_is_loaded() -> None:
     assert "numpy" in loaded_by("import", "numpy", watched=FRAMEWORKS)
 
 
-# ------------------------------------------------ import circles, the books' size
+# ------------------------------------------------------- import circles, sizes
 
 PACKAGE = Path(cachebroker.__file__).resolve().parent
 
@@ -217,6 +217,14 @@ def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import _a\nB = 1\n"
     )
     assert circles(import_graph(package)) == [["pkg._a", "pkg._b"]]
+
+
+def test_no_module_is_over_900_lines() -> None:
+    sizes = {
+        str(path.relative_to(PACKAGE)): len(path.read_text().splitlines())
+        for path in PACKAGE.rglob("*.py")
+    }
+    assert {path: lines for path, lines in sizes.items() if lines > 900} == {}
 
 
 def test_the_books_have_at_most_50_methods() -> None:

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from cachebroker import Broker, BrokerClosed
 from cachebroker.__main__ import main
-from cachebroker._remote import _daemon, _ps
+from cachebroker._remote import _connection, _daemon, _ps
 from cachebroker._remote import _protocol as wire
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 from tests.remote.processes import Procs, frame
@@ -434,14 +434,14 @@ async def test_a_bug_while_serving_one_connection_ends_that_connection_only(
         async with Broker.connect(daemon.address) as broker:
             async with broker.cache("w", Plugin()) as cache:
                 held = await cache.acquire("a", load=value(1), size=10)
-                dispatch = _daemon.Connection.dispatch
+                dispatch = _connection.Connection.dispatch
 
-                async def buggy(self: _daemon.Connection, message: dict[str, Any]) -> None:
+                async def buggy(self: _connection.Connection, message: dict[str, Any]) -> None:
                     if message["op"] == "ps":  # (which the process connected meanwhile never sends)
                         raise KeyError("bug")
                     await dispatch(self, message)
 
-                monkeypatch.setattr(_daemon.Connection, "dispatch", buggy)
+                monkeypatch.setattr(_connection.Connection, "dispatch", buggy)
                 assert await hostile(daemon.address, wire.encode({"op": "ps"}), hello=True) == []
                 monkeypatch.setattr(wire, "peer", lambda stream: 1 / 0)
                 assert await hostile(daemon.address, b"", hello=False) == []
@@ -603,11 +603,11 @@ async def test_a_peer_that_does_not_read_is_not_read_either() -> None:
                     [connection] = [c for c in daemon.connections.values() if not c.caches]
                     for _ in range(50):
                         await greedy.send(wire.encode({"op": "ps"}) * 100)
-                        assert len(connection.outbox) <= _daemon.MAX_UNSENT
+                        assert len(connection.outbox) <= _connection.MAX_UNSENT
                     await anyio.wait_all_tasks_blocked()
-                    assert len(connection.outbox) <= _daemon.MAX_UNSENT
+                    assert len(connection.outbox) <= _connection.MAX_UNSENT
                     await served(daemon.address)
-                    assert len(connection.outbox) <= _daemon.MAX_UNSENT
+                    assert len(connection.outbox) <= _connection.MAX_UNSENT
                 await until(lambda: len(daemon.connections) == 1)
 
 

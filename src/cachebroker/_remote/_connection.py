@@ -1,0 +1,692 @@
+"""One connected process, as the daemon sees it (``Connection``), and its entries there.
+
+The daemon (``_daemon.Daemon``) accepts each connection and keeps the
+machine-wide state; a ``Connection`` reads the process's messages, mirrors
+its entries in the daemon's books (``_Mirror``) and writes what the books
+decide back to it. What it needs of the daemon is ``Host``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Protocol
+
+import anyio
+import anyio.abc
+
+from .. import _log_events as ev
+from .._core import Entry, Reason, State, Ticket
+from .._errors import LeasesOutstanding, LoadFailed, ReleaseFailed
+from .._shell._actor import Block
+from .._shell._seam import Relay
+from . import _protocol as wire
+from ._daemon_books import _FailedThere, _Refused, pin
+from ._protocol import ProtocolError
+
+__all__ = ["Connection", "Host"]
+
+
+#: How many messages may wait to be sent to a process before the daemon stops reading
+#: from it until it reads (``Connection.room``).
+MAX_UNSENT = 64
+
+
+#: What a process's report may say of its entry.
+_REPORTS = frozenset({"held", "pinned", "idle", "releasing", "overdue", "quarantined", "gone"})
+
+#: How an entry may stand when a process registers it again (``adopt``).
+_ADOPTED = frozenset({"loading", "held", "pinned", "idle", "releasing", "overdue", "quarantined"})
+
+#: Reports of an entry on its way out.
+_LETTING_GO = frozenset({"releasing", "overdue", "quarantined", "gone"})
+
+#: Reports that hold the entry (leased, or pinned): it is no victim.
+_HOLDING = frozenset({"held", "pinned"})
+
+
+_REASONS = {reason.value: reason for reason in Reason}
+
+
+class Host(Protocol):
+    """What a connection needs of the daemon that accepted it (``_daemon.Daemon``)."""
+
+    address: str
+    #: The daemon broker's runner, as the daemon steps it (``Broker._relay``).
+    runner: Relay
+    connections: dict[int, Connection]
+    #: Each owner of the books (a cache of a process) -> its connection and cache name.
+    owners: dict[Any, tuple[Connection, str]]
+    #: The processes the reconnection gate waits for, by pid; set once none is left.
+    expected: set[int]
+    gate: anyio.Event
+
+    def note_peer(self, connection: Connection) -> None: ...
+    def forget_peer(self, connection: Connection) -> None: ...
+    def registered(self, connection: Connection) -> None: ...
+    def keep(self, connection: Connection, charge: dict[str, int]) -> None: ...
+    def forget(self, owner: Any, name: str) -> None: ...
+    def owner_name(self, cache: str, connection: Connection) -> str: ...
+    def totals(self) -> dict[str, Any]: ...
+    def listing(self, asking: Connection | None = None) -> dict[str, Any]: ...
+
+
+class _Key:
+    """A process's key in the daemon's books: its number there, shown as the key's ``repr``."""
+
+    __slots__ = ("id", "text")
+
+    def __init__(self, id: int, text: str) -> None:
+        self.id = id
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+class _Holder:
+    """Who holds the daemon's lease on a process's entry (shown in ``lease.held`` events)."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __repr__(self) -> str:
+        return f"<process {self.pid}>"
+
+
+class _Mirror:
+    """The daemon's side of one entry of a connected process."""
+
+    __slots__ = (
+        "asking",
+        "cancelled",
+        "charge",
+        "entry",
+        "error",
+        "granted",
+        "held",
+        "holder",
+        "id",
+        "key",
+        "loads",
+        "reason",
+        "refused",
+        "reported",
+        "scope",
+        "settled",
+        "space",
+        "state",
+    )
+
+    def __init__(self, id: int, key: _Key, space: _Space) -> None:
+        self.id = id
+        self.key = key
+        self.space = space
+        #: The process's last report: ``loading`` until its load's outcome.
+        self.state = "loading"
+        self.granted = False
+        self.charge: dict[str, int] | None = None
+        self.reason = Reason.CAPACITY
+        self.error = ""
+        #: How many times the process has loaded this key (it says so with the
+        #: load's outcome; ``None`` from a process that does not).
+        self.loads: int | None = None
+        #: Set (and renewed) at each report: what a load or a release waits on.
+        self.reported = anyio.Event()
+        #: The daemon's entry once granted and loaded, and whether (and by whom) it is leased.
+        self.entry: Entry | None = None
+        self.held = False
+        self.holder: object = None
+        self.scope: anyio.CancelScope | None = None
+        self.cancelled = False
+        #: While the daemon asks for its release (``_release``): whether the process
+        #: reported it held since, which refuses the request even if it is idle again.
+        self.asking = False
+        self.refused = False
+        #: Set once the daemon's request for it is over: loaded, failed or withdrawn.
+        self.settled = anyio.Event()
+
+
+class _Space:
+    """One cache a process opened: its owner in the daemon's books."""
+
+    __slots__ = ("block", "closed", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.block: Block | None = None
+        self.closed = anyio.Event()
+
+
+class Connection:
+    """One connected process."""
+
+    def __init__(
+        self,
+        daemon: Host,
+        stream: anyio.abc.SocketStream,
+        serial: int,
+        pid: int,
+        session: str | None = None,
+    ):
+        self.daemon = daemon
+        #: The connected broker's name across its reconnections (``hello``).
+        self.session = session
+        self.runner = daemon.runner
+        self.stream = stream
+        self.serial = serial
+        self.pid = pid
+        self.holder = _Holder(pid)
+        self.caches: dict[str, _Space] = {}
+        #: Every cache it opened, closed ones too (their quarantined entries stay theirs).
+        self.opened: list[_Space] = []
+        self.mirrors: dict[int, _Mirror] = {}
+        self.outbox: list[dict[str, Any]] = []
+        self.wake = anyio.Event()
+        self.tg: anyio.abc.TaskGroup | None = None
+        #: The level of its ``peer.connected`` and ``peer.gone`` (debug for ``cachebroker ps``).
+        self.level = "info"
+        #: How many messages the writer is sending; set (and renewed) after each write.
+        self.sending = 0
+        self.sent = anyio.Event()
+        #: Until the writer is gone (the connection broke, or is ending).
+        self.writing = True
+
+    def post(self, message: dict[str, Any]) -> None:
+        """Queue ``message`` for the writer."""
+        self.outbox.append(message)
+        self.wake.set()
+
+    async def writer(self) -> None:
+        """Send what was posted, a batch per write."""
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake = anyio.Event()
+                batch, self.outbox = self.outbox, []
+                self.sending = len(batch)
+                try:
+                    await wire.send(self.stream, *batch)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    return  # the reader sees the end too
+                finally:
+                    self.sending = 0
+                    self.sent.set()
+                    self.sent = anyio.Event()
+        finally:
+            self.writing = False
+
+    async def room(self) -> bool:
+        """Wait while more than ``MAX_UNSENT`` messages wait to be sent to the process;
+        false once nothing can be sent to it any more (the connection is over).
+
+        A process that does not read what it asked for is not read either, so
+        that it cannot make the daemon hold an answer per request (``ps``
+        answers are large): its requests wait in its socket, not here. A
+        process that reads (every ``Broker.connect()`` reads all the time)
+        never waits here but for the moment one write takes.
+        """
+        while self.writing and len(self.outbox) + self.sending > MAX_UNSENT:
+            await self.sent.wait()
+        return self.writing
+
+    # ------------------------------------------------------------ messages
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        op = message["op"]
+        if op == "report":
+            self.report(message)
+        elif op == "acquire":
+            self.acquire(message)
+        elif op == "adopt":
+            self.adopt(message)
+        elif op == "registered":
+            self.daemon.registered(self)
+        elif op == "why":
+            self.why(wire.field(message, "id", int))
+        elif op == "cancel":
+            self.cancel(wire.field(message, "id", int))
+        elif op == "open":
+            await self.open(wire.field(message, "cache", str))
+        elif op == "close":
+            space = self.caches.pop(wire.field(message, "cache", str), None)
+            if space is not None:
+                space.closed.set()
+        elif op == "ps":
+            self.post({"op": "ps", **self.daemon.listing(asking=self)})
+        elif op == "totals":
+            self.post({"op": "totals", **self.daemon.totals()})
+        else:
+            raise ProtocolError(f"unknown op {op!r}")
+
+    async def open(self, cache: str) -> None:
+        if not cache or cache in self.caches:
+            raise ProtocolError(f"cache {cache!r} is opened twice or has no name")
+        space = self.caches[cache] = _Space(self.daemon.owner_name(cache, self))
+        self.opened.append(space)
+        assert self.tg is not None
+        await self.tg.start(self._run_cache, cache, space)
+        self.daemon.note_peer(self)
+
+    async def _run_cache(
+        self, cache: str, space: _Space, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        """Hold the daemon-side block of ``cache`` open until the process closes it (or goes)."""
+        block = await self.runner.open_block(space.name, self._release)
+        space.block = block
+        self.daemon.owners[block.owner] = (self, cache)
+        task_status.started()
+        try:
+            try:
+                await space.closed.wait()
+            except BaseException as exc:
+                # The connection ended, or the daemon stops: either way nothing is
+                # asked of the process (it keeps its values, and registers them with
+                # the next daemon): its entries just leave these books.
+                self.runner.core.drop_owner(block.owner)
+                self.runner.apply()
+                await self.runner.close_block(block, type(exc), exc, exc.__traceback__)
+                raise
+            with contextlib.suppress(LeasesOutstanding):  # (quarantined: the books say so)
+                await self.runner.close_block(block, None, None, None)
+        finally:
+            if self.daemon.connections.get(self.serial) is not self:
+                self.daemon.forget(block.owner, space.name)  # the connection ended
+            elif not any(entry.owner is block.owner for entry in self.runner.core.quarantined):
+                # Closed, and nothing of it is left: its name may be used again.
+                self.opened.remove(space)
+                self.daemon.forget(block.owner, space.name)
+
+    def acquire(self, message: dict[str, Any]) -> None:
+        id = wire.field(message, "id", int)
+        cache = wire.field(message, "cache", str)
+        key = _Key(id, wire.field(message, "key", str))
+        need = wire.charge(message, "need")
+        cost = message.get("cost")
+        if cost is not None and (not isinstance(cost, (int, float)) or cost < 0):
+            raise ProtocolError(f"'acquire' message: 'cost' is {cost!r}")
+        space = self.caches.get(cache)
+        if space is None or space.block is None or id in self.mirrors:
+            raise ProtocolError(f"'acquire' of #{id} in cache {cache!r}, which is not open")
+        holding = message.get("holding", [])
+        if not isinstance(holding, list) or not all(type(i) is int for i in holding):
+            raise ProtocolError(f"'acquire' message: 'holding' is {holding!r}")
+        held = tuple(mirror for mirror in map(self.mirrors.get, holding) if mirror is not None)
+        priority = message.get("priority", 0)
+        if type(priority) is not int:
+            raise ProtocolError(f"'acquire' message: 'priority' is {priority!r}")
+        mirror = self.mirrors[id] = _Mirror(id, key, space)
+        assert self.tg is not None
+        self.tg.start_soon(
+            self._acquire, mirror, cache, need, cost, bool(message.get("urgent")), held, priority
+        )
+
+    async def _acquire(
+        self,
+        mirror: _Mirror,
+        cache: str,
+        need: dict[str, int] | None,
+        cost: float | None,
+        urgent: bool,
+        holding: tuple[_Mirror, ...],
+        priority: int = 0,
+    ) -> None:
+        block = mirror.space.block
+        assert block is not None
+        with anyio.CancelScope() as scope:
+            mirror.scope = scope
+            if mirror.cancelled:
+                scope.cancel()
+            # A restarted daemon grants nothing until the processes of the one
+            # before it have said what they hold (``Daemon.gate``).
+            await self.daemon.gate.wait()
+            # The entries the requesting task leases may still be settling here
+            # (their loads' reports came in the same batch): wait for them, so
+            # that a request only those leases could make room for is refused.
+            for other in holding:
+                await other.settled.wait()
+            held = tuple(other.entry for other in holding if other.entry is not None)
+            try:
+                entry, task = await self.runner.request(
+                    block.owner,
+                    mirror.key,
+                    functools.partial(self._load, mirror),
+                    need,
+                    _measured,
+                    cost,
+                    None,
+                    urgent=urgent,
+                    held=held,
+                    priority=priority,
+                )
+            except Exception as exc:
+                loaded = block.owner.entries.get(mirror.key)
+                if loaded is not None and loaded.state in (State.RELEASING, State.READY):
+                    # Loaded there, refused here (measured too large, or not beside
+                    # quarantined bytes): its bytes stay charged until the process's
+                    # "gone"; one it holds already (the release refused) stays its entry.
+                    mirror.entry = loaded
+                    mirror.settled.set()
+                    self.reconcile(mirror)
+                    return
+                self.mirrors.pop(mirror.id, None)
+                mirror.settled.set()
+                if not mirror.cancelled:
+                    error = wire.encode_error(exc, self.names())
+                    self.post({"op": "fail", "id": mirror.id, "error": error})
+                return
+        if scope.cancelled_caught:
+            mirror.settled.set()
+            return
+        self._loaded(mirror, entry, task)
+
+    def _loaded(self, mirror: _Mirror, entry: Entry, task: object) -> None:
+        """``mirror``'s entry is in the books, leased to ``task`` until the process's report."""
+        mirror.entry = entry
+        mirror.held = True
+        mirror.holder = task
+        mirror.settled.set()
+        self.reconcile(mirror)
+
+    async def _load(self, mirror: _Mirror, *, grant: bool = True) -> dict[str, int]:
+        """The daemon's load of a process's entry: the grant, then the process's outcome.
+
+        An adopted entry (``adopt``) was granted by the daemon before this one.
+        """
+        if grant:
+            self.post({"op": "grant", "id": mirror.id})
+        mirror.granted = True
+        while mirror.state == "loading":
+            await mirror.reported.wait()
+        if mirror.charge is not None:
+            return mirror.charge
+        if mirror.state == "gone":  # the load failed (or was given up) and made nothing
+            raise LoadFailed(f"the load of {mirror.key!r} failed in process {self.pid}")
+        # Releasing or quarantined, unmeasured: what it holds there is unknown, so
+        # the grant stays taken until the process says the value is gone.
+        block = mirror.space.block
+        loading = None if block is None else block.owner.entries.get(mirror.key)
+        return {} if loading is None else dict(loading.charge)
+
+    def names(self) -> dict[str, str]:
+        """This process's owner names in the books, each with its cache's name there."""
+        return {
+            owner.name: name
+            for owner, (connection, name) in self.daemon.owners.items()
+            if connection is self
+        }
+
+    def why(self, id: int) -> None:
+        """Say why request ``id`` has no room yet, in the books' words (``Core.why_no_room``)."""
+        mirror = self.mirrors.get(id)
+        block = None if mirror is None else mirror.space.block
+        entry = None if mirror is None or block is None else block.owner.entries.get(mirror.key)
+        text = None
+        if entry is not None and entry.state is State.WAITING and entry.need:
+            text = wire.rename(self.runner.core.why_no_room(entry), self.names())
+        self.post({"op": "why", "id": id, "text": text})
+
+    def adopt(self, message: dict[str, Any]) -> None:
+        """An entry the process holds since before this daemon started (``register``).
+
+        Booked in this step, as it stands there (loading, held, pinned, idle,
+        releasing or quarantined), with its charge, whatever the budget says:
+        the process holds that memory (``Core.adopt``).
+        """
+        id = wire.field(message, "id", int)
+        cache = wire.field(message, "cache", str)
+        key = _Key(id, wire.field(message, "key", str))
+        state = wire.field(message, "state", str)
+        if state not in _ADOPTED:
+            raise ProtocolError(f"'adopt' message: 'state' is {state!r}")
+        charge = self._charge(message, state)
+        if not charge:
+            raise ProtocolError(f"'adopt' message: 'charge' is {message.get('charge')!r}")
+        priority = message.get("priority", 0)
+        if type(priority) is not int:
+            raise ProtocolError(f"'adopt' message: 'priority' is {priority!r}")
+        space = self.caches.get(cache)
+        if space is None or space.block is None or id in self.mirrors:
+            raise ProtocolError(f"'adopt' of #{id} in cache {cache!r}, which is not open")
+        mirror = self.mirrors[id] = _Mirror(id, key, space)
+        mirror.granted = True
+        mirror.state = state
+        mirror.charge = None if state == "loading" else charge
+        loads = message.get("loads")
+        if type(loads) is int and loads >= 0:
+            mirror.loads = loads
+        if "reason" in message:
+            mirror.reason = _REASONS.get(str(message["reason"]), Reason.CAPACITY)
+        if state in ("quarantined", "overdue"):
+            mirror.error = str(message.get("error", ""))
+        ticket = self.runner.adopt(
+            space.block.owner,
+            key,
+            functools.partial(self._load, mirror, grant=False),
+            _measured,
+            charge,
+            priority=priority,
+        )
+        assert self.tg is not None
+        self.tg.start_soon(self._settle, mirror, ticket)
+
+    async def _settle(self, mirror: _Mirror, ticket: Ticket) -> None:
+        try:
+            entry, task = await self.runner.settle(ticket)
+        except Exception:  # its load failed there meanwhile: the bytes are back
+            self.mirrors.pop(mirror.id, None)
+            mirror.settled.set()
+            return
+        self._loaded(mirror, entry, task)
+
+    def cancel(self, id: int) -> None:
+        """The process stopped waiting for ``id``'s grant (or never started its load)."""
+        mirror = self.mirrors.get(id)
+        if mirror is None:
+            return
+        mirror.cancelled = True
+        if mirror.entry is None:
+            self.mirrors.pop(id, None)
+            if mirror.scope is not None:
+                mirror.scope.cancel()
+            mirror.settled.set()
+            mirror.state = "gone"
+            self._wake(mirror)
+        else:
+            mirror.state = "gone"
+            self.reconcile(mirror)
+
+    def report(self, message: dict[str, Any]) -> None:
+        id = wire.field(message, "id", int)
+        state = wire.field(message, "state", str)
+        if state not in _REPORTS:
+            raise ProtocolError(f"'report' message: 'state' is {state!r}")
+        priority = message.get("priority")
+        if priority is not None and type(priority) is not int:
+            raise ProtocolError(f"'report' message: 'priority' is {priority!r}")
+        mirror = self.mirrors.get(id)
+        if mirror is None:
+            return  # cancelled meanwhile, or gone already
+        if not mirror.granted:
+            raise ProtocolError(f"'report' of #{id}, which was never granted")
+        if priority is not None:
+            self._reprioritize(mirror, priority)
+        if mirror.state == "loading":
+            mirror.charge = self._charge(message, state)
+            loads = message.get("loads")
+            if type(loads) is int and loads >= 0:
+                mirror.loads = loads
+        mirror.state = state
+        if mirror.asking and state in _HOLDING:
+            mirror.refused = True
+        if "reason" in message:
+            mirror.reason = _REASONS.get(str(message["reason"]), Reason.CAPACITY)
+        if state in ("quarantined", "overdue"):
+            mirror.error = str(message.get("error", ""))
+        self.reconcile(mirror)
+
+    def _reprioritize(self, mirror: _Mirror, priority: int) -> None:
+        """Evict ``mirror``'s entry by the priority a later acquire there gave it.
+
+        As in-process, the latest acquire's priority wins (``Core.reprioritize``).
+        """
+        entry = mirror.entry
+        block = mirror.space.block
+        if entry is None and block is not None:  # granted, still loading there
+            entry = block.owner.entries.get(mirror.key)
+        if entry is None or entry.state is State.GONE:
+            return
+        self.runner.core.reprioritize(entry, priority)
+
+    def _charge(self, message: dict[str, Any], state: str) -> dict[str, int] | None:
+        """A loaded entry's measured charge: in the daemon's spaces, and kept only within them.
+
+        A process refuses a value measured above a space's whole budget
+        (``RequestTooLarge``) and releases it: one that keeps it breaks the protocol.
+        """
+        charge = wire.charge(message, "charge")
+        spaces = self.runner.core.spaces
+        for name, amount in (charge or {}).items():
+            space = spaces.get(name)
+            if space is None:
+                raise ProtocolError(f"'report' message: no space {name!r} in {charge!r}")
+            if amount > space.limit and state not in _LETTING_GO:
+                raise ProtocolError(
+                    f"'report' message: {state!r} with {charge!r}, above the space's whole budget"
+                )
+        return charge
+
+    def reconcile(self, mirror: _Mirror) -> None:
+        """Bring the daemon's entry in line with the process's last report."""
+        entry = mirror.entry
+        core = self.runner.core
+        state = mirror.state
+        if entry is not None:
+            if entry.state is State.READY:
+                self._hold(mirror)
+                if state in _LETTING_GO:
+                    core.let_go(entry, mirror.reason)
+            elif entry.state is State.QUARANTINED and state == "gone":
+                core.release_done(entry)  # a late acknowledgement, or forgotten in the process
+            elif entry.state is State.QUARANTINED and state == "quarantined":
+                # (after "overdue": the release that ran on there raised after all)
+                core.release_failed(entry, ReleaseFailed(mirror.error))
+            elif entry.state is State.QUARANTINED and state == "idle":
+                # Its release timed out here, then was refused there (leased meanwhile):
+                # it is an ordinary entry there, which forget() cannot write off. Ask
+                # again, now that it is idle; its "gone" is a late acknowledgement.
+                self.post({"op": "release", "id": mirror.id})
+            if state == "gone" and entry.state is State.GONE:
+                self.mirrors.pop(mirror.id, None)
+        self.runner.apply()
+        self._wake(mirror)
+
+    def _hold(self, mirror: _Mirror) -> None:
+        """The daemon's lease and pin on a ready entry, as its process last reported them.
+
+        ``held``: leased there, so leased here, by the process. ``pinned``:
+        pinned here too, with no lease (pins are not leases: ``ps`` shows it
+        pinned, and ``lease.held`` never reports it); a pinned entry is no
+        candidate, so never a victim, nor a candidate for drain.
+        """
+        entry = mirror.entry
+        if entry is None or entry.state is not State.READY:
+            return
+        core = self.runner.core
+        now = self.runner.clock()
+        leased = mirror.state == "held"
+        if leased and not mirror.held:
+            core.hit(entry, self.holder)
+            mirror.held, mirror.holder = True, self.holder
+        # Pinned before its lease ends, so that the end leaves it resident.
+        pinned = mirror.state == "pinned"
+        if pinned != entry.pinned:
+            pin(core, entry, pinned, now)
+        if not leased and mirror.held:
+            mirror.held = False
+            core.lease_end(entry, mirror.holder, now)
+            if not entry.leases and not entry.pinned:
+                self.runner.note_idle(entry)
+
+    def _wake(self, mirror: _Mirror) -> None:
+        mirror.reported.set()
+        mirror.reported = anyio.Event()
+
+    async def _release(self, key: _Key, value: object) -> None:
+        """The daemon's releaser for a process's entries: ask, and await the answer."""
+        mirror = self.mirrors.get(key.id)
+        if mirror is None:
+            return
+        if mirror.state in ("idle", "loading", "held"):
+            # (held: leased again since, maybe right after offering it idle, which
+            # the process then accepts to release at that lease's end)
+            self.post({"op": "release", "id": mirror.id})
+        mirror.asking, mirror.refused = True, False
+        try:
+            while True:
+                state = mirror.state
+                if state == "gone":
+                    self.mirrors.pop(mirror.id, None)
+                    return
+                if state in ("quarantined", "overdue"):
+                    name = mirror.space.name
+                    raise _FailedThere(
+                        ReleaseFailed(
+                            f"releasing {name}:{key!r} failed in process {self.pid}: {mirror.error}"
+                        ),
+                        overdue=state == "overdue",
+                    )
+                if state in _HOLDING:
+                    mirror.held, mirror.holder = True, self.holder
+                    raise _Refused(self.holder, functools.partial(self._hold, mirror))
+                if mirror.refused and state == "idle":
+                    # Refused (held when asked), then idle again before this task
+                    # looked: the process will not release it unless asked again.
+                    mirror.refused = False
+                    self.post({"op": "release", "id": mirror.id})
+                await mirror.reported.wait()
+        finally:
+            mirror.asking = False
+
+    def lost(self) -> None:
+        """The process is gone: its entries leave the daemon's books at once."""
+        runner = self.runner
+        core = runner.core
+        freed: dict[str, int] = {}
+        count = 0
+        for entry in list(core.entries()):
+            found = self.daemon.owners.get(entry.owner)
+            if found is not None and found[0] is self and entry.state is not State.WAITING:
+                count += 1
+                for name, amount in entry.charge.items():
+                    freed[name] = freed.get(name, 0) + amount
+        if freed:
+            self.daemon.keep(self, freed)  # (before they leave: never a moment uncharged)
+        for space in self.opened:
+            if space.block is not None:
+                core.drop_owner(space.block.owner)
+        for mirror in self.mirrors.values():
+            mirror.cancelled = True
+            mirror.state = "gone"
+            mirror.settled.set()
+            self._wake(mirror)
+        runner.apply()
+        for space in self.caches.values():
+            space.closed.set()
+        self.daemon.expected.discard(self.pid)  # (gone before it registered: nothing held)
+        self.daemon.forget_peer(self)
+        runner.emit(
+            self.level,
+            ev.PEER_GONE,
+            address=self.daemon.address,
+            pid=self.pid,
+            entries=count,
+            bytes=freed,
+        )
+
+
+def _measured(charge: object) -> object:
+    """A process's entry weighs what the process measured (its load returns that)."""
+    return charge
