@@ -10,15 +10,19 @@ of the package docstring for the entry it touches; none decides anything
 The life of an entry, by function:
 
 - asked for: ``create`` (waiting, or gated when its size is unknown:
-  ``pass_gate``, ``hurry``, ``open_gate``), ``enqueue``, ``admit_weightless``;
+  ``pass_gate``, ``hurry``, ``open_gate``), ``enqueue``, ``admit_weightless``,
+  ``join`` (a ticket waits on it), ``count_request``, ``prepare_priority``;
 - granted: ``grant`` (a load, or ``start_promotion`` of a demoted value);
+- loaded or moved: ``set_charge``, ``recharge`` (measured), ``remember_load``,
+  ``moved``, ``move_failed``;
 - leased: ``wait_for_slot``, ``grant_slots``, ``lease_joiners``, ``unbind``;
 - idle: ``rest`` (or straight to release), ``settle``, ``unidle``, ``leave_idle``;
 - released: ``start_release``, ``doom``, ``drain_leased``, ``doom_parked``,
   ``release_demoting``, ``cancel_demotion``; back up: ``queue_promotion``,
   ``come_home``;
 - failed or gone: ``fail_joiners``, ``fail_waiting``, ``drop_waiting``,
-  ``withdraw``, ``detach``, ``discharge``, ``gone``, ``hand_over``;
+  ``dequeue``, ``withdraw``, ``detach``, ``discharge``, ``gone``, ``hand_over``,
+  ``check_empty`` (its owner is closing and has nothing left);
 - quarantined: ``release_missed``, ``quarantine``, ``strand``,
   ``unquarantine``, ``unorphan``.
 """
