@@ -41,4 +41,4 @@ def test_no_class_outside_its_package_subclasses_the_books_or_the_runner() -> No
 def test_the_check_finds_a_subclass() -> None:
     """The walk sees a subclass where there is one (it would pass vacuously otherwise)."""
     found = subclasses_outside({"Broker": "_shell"})
-    assert "_remote/_daemon.py: DaemonBroker(Broker)" in found
+    assert "_remote/_daemon_books.py: DaemonBroker(Broker)" in found
