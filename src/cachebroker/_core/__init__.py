@@ -42,7 +42,7 @@ Invariants kept after every step:
 * ``releasing`` is the part of ``used`` whose release is in flight;
   ``idle_bytes`` the part held by entries the policy may pick as victims
   (an entry whose last lease just ended becomes one lazily, in lease-end
-  order, before anything reads these books: ``Core._settle``);
+  order, before anything reads these books: ``_transitions.settle``);
 * a leased entry is never handed to the policy, so it is never a victim;
 * an entry queued for space has at least one requester waiting on it;
 * waiters are granted in arrival order within each space: a request never

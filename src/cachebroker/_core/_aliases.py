@@ -176,7 +176,7 @@ def merge_spaces(books: Books, keep: str, other: str) -> None:
     kept.idle_bytes += gone.idle_bytes
     kept.quarantined += gone.quarantined
     kept.overdue += gone.overdue
-    # (``pinned`` and ``ranked`` moved with each entry's charge: ``_reach.sync``.)
+    # (``pinned`` and ``ranked`` moved with each entry's charge: ``_model.sync``.)
     assert not gone.pinned and not gone.ranked, (gone.pinned, gone.ranked)
     for name, target in list(canon.items()):
         if target == other:
@@ -206,7 +206,7 @@ def _at_home(books: Books, touched: list[Entry]) -> None:
 
     Their home and their charge are one space now; a promotion would ask for
     their bytes again beside themselves, and wait for ever. The others keep
-    their places off the space they are parked in (``_moves.part``).
+    their places off the space they are parked in (``_tiers.part``).
     """
     for entry in touched:
         if entry.state is State.DEMOTED:

@@ -378,7 +378,7 @@ class Core(Books):
             )
         finally:
             self.prefetching = False
-            self.misses = misses  # (``_create`` counts a miss)
+            self.misses = misses  # (``_transitions.create`` counts a miss)
 
     def retune(self, entry: Entry, idle_ttl: float | None, pin: bool, now: float) -> None:
         """Apply a prefetch's ``idle_ttl`` and ``pin`` to a ready entry, without a lease
@@ -692,7 +692,7 @@ class Core(Books):
         As ``release_failed`` (the entry leaves its key, its bytes stay
         charged, it is counted as a failed release and ``forget`` writes it
         off), except that its bytes may come back: requests may wait for them
-        (``_reach.Overdue``), within their own timeout. The release's end is
+        (``_overdue.Overdue``), within their own timeout. The release's end is
         reported as usual: ``release_done`` frees the bytes, ``release_failed``
         strands them.
         """

@@ -131,7 +131,7 @@ _set_reason: Callable[[StartRelease, Reason], None] = StartRelease.__dict__["rea
 
 class StartMove(_OfEntry):
     """Ask ``entry``'s owner to move its value to space ``to`` (``Core.tiers``), by the
-    name the owner knows it by (``_moves.owner_space``: merged spaces keep one name
+    name the owner knows it by (``_tiers.owner_space``: merged spaces keep one name
     in the books, but each owner is told its own).
 
     A demotion (down a tier) or a promotion (back up); both its charge and

@@ -98,9 +98,9 @@ class Space:
         #: The part of ``used`` held by quarantined entries.
         self.quarantined = 0
         #: The part of ``quarantined`` whose release still runs past its
-        #: timeout: a late return frees it (``_reach.Overdue``).
+        #: timeout: a late return frees it (``_overdue.Overdue``).
         self.overdue = 0
-        #: What no eviction returns, by the entries holding it (``_reach.sync``):
+        #: What no eviction returns, by the entries holding it (``_model.sync``):
         #: the bytes of ready pinned entries, and of the other ready entries
         #: per priority (a request evicts none above its own). Doomed entries
         #: (released when their last lease ends) are in neither.
@@ -262,11 +262,11 @@ class Entry:
         #: The spaces its wait may be placed in (``acquire(spaces=...)``), in the
         #: order given; ``need`` is its size in one of them, chosen when it is
         #: granted. Those of ``asked_places`` left to the request that queued it (see
-        #: ``Core._placeable``); ``None``: one was left, ``need``'s.
+        #: ``_refusals.placeable``); ``None``: one was left, ``need``'s.
         self.places: tuple[str, ...] | None = None
         #: The space names its first request gave (its size's, then its places),
         #: as given: its owner is told of a space by its own name for it, which
-        #: a merge of spaces does not change (``_moves.owner_space``).
+        #: a merge of spaces does not change (``_tiers.owner_space``).
         self.asked: tuple[str, ...] = ()
         #: Every space its acquire asked for (``None``: it gave no places), kept
         #: for its life: a promotion chooses among them again, for its requester.
@@ -287,7 +287,7 @@ class Entry:
         #: eviction candidates and never expire while their cache is open.
         self.ttl: float | None = owner.ttl
         self.pin = False
-        #: What it counts in its spaces' ``pinned`` or ``ranked`` (``_reach.sync``):
+        #: What it counts in its spaces' ``pinned`` or ``ranked`` (``_model.sync``):
         #: whether pinned, its priority and its weights then; ``None``: nothing.
         self.kept: tuple[bool, int, tuple[tuple[Space, int], ...]] | None = None
         #: Why to release it when its last lease ends (invalidated, cleared, closing).

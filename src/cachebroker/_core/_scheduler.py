@@ -6,14 +6,11 @@ leases on entries a long-waiting request needs), ``repay`` (evict for a load
 measured larger than it declared), ``refuse`` and ``refuse_self_waits``
 (fail waiters that can never be granted).
 
-These are functions of the books (``schedule(books)``), not methods of a
-mixin of ``Core``: a mixin would have to declare (or take as a protocol)
-every attribute of the books it reads for mypy strict to check it, a second
-list to keep in step with ``Core.__init__``; a function takes the ``Core``
-itself, imported here for type checking only (``_books`` imports this module
-at run time), so each call names the module that decides and the books keep
-a single definition. What they change on the books goes through ``Core``'s
-primitives (``_grant``, ``_start_release``, ``_doom``, ``_fail_waiting``).
+These are functions of the books' state (``schedule(books)`` on a
+``_state.Books``), not methods of ``Core``: each call names the module that
+decides, and this module does not import ``_books`` (which imports it).
+What they change on the books goes through ``_transitions`` (``grant``,
+``start_release``, ``doom``, ``fail_waiting``, ...).
 """
 
 from __future__ import annotations
@@ -232,7 +229,7 @@ def _block(blocked: dict[str, int], need: Mapping[str, int], priority: int) -> N
 
 
 def refuse(books: Books, entry: Entry) -> None:
-    """Fail a waiter that only ``forget()`` could ever grant (see ``Core._shortage``)."""
+    """Fail a waiter that only ``forget()`` could ever grant (see ``_refusals.shortage``)."""
     error = None
     for name, amount in entry.need.items():
         error = error or _refusals.shortage(
@@ -283,7 +280,7 @@ def drain(books: Books, waiter: Entry, shortfall: Mapping[str, int]) -> None:
     served since the waiter was queued, enough leased entries (least
     recently requested first, never pinned ones nor ones of a higher
     priority than the waiter's) are doomed to cover its
-    shortfall (``Core._drain``): they give their key up at once (new
+    shortfall (``_transitions.drain_leased``): they give their key up at once (new
     acquires of it queue behind the waiter) and are released when their
     last lease ends.
     """

@@ -171,7 +171,7 @@ class Books:
         #: instead of released (``_moves``), when their owner can move them.
         self.tiers: dict[str, str] = dict(tiers or {})
         #: The tiers as given, by the names given (merges rewrite ``tiers``):
-        #: the names an owner is told its values move down to (``_moves.owner_space``).
+        #: the names an owner is told its values move down to (``_tiers.owner_space``).
         self.tier_names: dict[str, str] = dict(self.tiers)
         #: Demotions decided and waiting for their room in the lower tier, in order.
         self.demoting: dict[Entry, None] = {}
@@ -200,7 +200,7 @@ class Books:
         self.busy: dict[Entry, None] = {}
         #: Entries whose last lease ended since the books were last settled, in
         #: that order (a subset of ``busy``): they become idle (policy, idle
-        #: bytes, expiry) in ``_settle``, so a hit and the release that follows
+        #: bytes, expiry) in ``_transitions.settle``, so a hit and the release that follows
         #: it cost one dict step each.
         self.settling: dict[Entry, bool] = {}
         self.quarantined: dict[Entry, BaseException] = {}

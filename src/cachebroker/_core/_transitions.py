@@ -145,7 +145,7 @@ def wait_for_slot(
 
     Refused when only the asking task can free the slots: leases bound
     to itself, or, from inside a loader, to the tasks waiting for that
-    load (which wait on it). See ``_slot_self_wait``.
+    load (which wait on it). See ``_reach.slot_self_wait``.
     """
     own = {id(task)} | {id(t.task) for outer in loading for t in outer.joiners}
     error = _reach.slot_self_wait(entry, own, loading=bool(loading))
