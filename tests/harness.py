@@ -20,6 +20,7 @@ from cachebroker._core import (
     OwnerEmpty,
     Quarantined,
     Reason,
+    Request,
     Settled,
     StartLoad,
     StartMove,
@@ -141,7 +142,7 @@ class Harness:
 
     def acquire(self, key: Hashable, size: int | Mapping[str, int] = 0, task: Any = "t") -> Ticket:
         need = dict(size) if isinstance(size, Mapping) else ({"m": size} if size else {})
-        ticket = self.core.request(self.owner, key, need, task)
+        ticket = self.core.request(self.owner, Request(key, need), task)
         self.drain()
         return ticket
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from cachebroker import DeadlockError
-from cachebroker._core import Entry, Reason, State, Ticket
+from cachebroker._core import Entry, Reason, Request, State, Ticket
 from tests.harness import Harness
 
 GPUS = ("gpu0", "gpu1")
@@ -33,7 +33,7 @@ def place(
     priority: int | None = None,
 ) -> Ticket:
     ticket = h.core.request(
-        h.owner, key, {GPUS[0]: size}, task, cost=cost, places=GPUS, priority=priority
+        h.owner, Request(key, {GPUS[0]: size}, cost=cost, places=GPUS, priority=priority), task
     )
     h.drain()
     return ticket
@@ -43,7 +43,7 @@ def load(
     h: Harness, key: str, need: dict[str, int], *, task: Any = "t", cost: float | None = None
 ) -> Ticket:
     """A lease on ``key``, loaded (``cost`` seconds, as measured)."""
-    ticket = h.core.request(h.owner, key, need, task, cost=cost)
+    ticket = h.core.request(h.owner, Request(key, need, cost=cost), task)
     h.drain()
     h.finish(ticket.entry)
     return ticket
@@ -72,7 +72,7 @@ def test_a_placed_request_passes_a_place_where_an_earlier_request_is_unfinished(
     assert h.core.invalidate(h.owner, "k")
     h.drain()
     assert old.state is State.RELEASING
-    again = h.core.request(h.owner, "k", {"gpu0": 30}, "u")
+    again = h.core.request(h.owner, Request("k", {"gpu0": 30}), "u")
     h.drain()
     assert again.entry.state is State.WAITING  # (after the old value's release)
     ticket = place(h, "p", 30)
@@ -103,7 +103,7 @@ def test_a_place_blocked_by_an_earlier_request_comes_after_the_open_ones() -> No
     h = gpus()
     held = load(h, "held", {"gpu0": 70}, task="holder")
     idle(h, "cheap", {"gpu0": 30}, cost=1.0)
-    first = h.core.request(h.owner, "first", {"gpu0": 90}, "u")
+    first = h.core.request(h.owner, Request("first", {"gpu0": 90}), "u")
     h.drain()
     assert first.entry.state is State.WAITING and releases(h) == []
     idle(h, "dear", {"gpu1": 80}, cost=50.0)
@@ -161,7 +161,7 @@ def test_room_that_an_earlier_promise_takes_is_not_counted_for_a_placed_request(
     held = load(h, "held", {"gpu0": 50}, task="x")
     h.core.invalidate(h.owner, "going")
     h.drain()
-    earlier = h.core.request(h.owner, "earlier", {"gpu0": 30}, "u")
+    earlier = h.core.request(h.owner, Request("earlier", {"gpu0": 30}), "u")
     h.drain()
     assert earlier.entry.state is State.WAITING
     idle(h, "other", {"gpu1": 100}, cost=1.0)
@@ -179,7 +179,7 @@ def test_a_place_blocked_by_a_request_of_a_higher_priority_is_not_open_to_a_lowe
     request of priority 0 goes to gpu1 instead of queueing behind it."""
     h = gpus()
     held = load(h, "held", {"gpu0": 70}, task="x")
-    first = h.core.request(h.owner, "first", {"gpu0": 90}, "u", priority=5)
+    first = h.core.request(h.owner, Request("first", {"gpu0": 90}, priority=5), "u")
     h.drain()
     assert first.entry.state is State.WAITING
     ticket = place(h, "p", 20, task="v", priority=0)
@@ -216,8 +216,8 @@ def test_one_pass_grants_no_more_than_the_bytes_it_has_not_promised() -> None:
     is not, though it would fit the free bytes if the first's were not counted."""
     h = Harness({"m": 100})
     big = load(h, "big", {"m": 100}, task="x")
-    one = h.core.request(h.owner, "one", {"m": 60}, "u")
-    two = h.core.request(h.owner, "two", {"m": 60}, "v")
+    one = h.core.request(h.owner, Request("one", {"m": 60}), "u")
+    two = h.core.request(h.owner, Request("two", {"m": 60}), "v")
     h.drain()
     h.end(big)
     h.ack(big.entry)
@@ -238,8 +238,8 @@ def test_bytes_still_being_released_are_promised_but_not_granted_twice() -> None
     h = Harness({"m": 100})
     slow = idle(h, "slow", {"m": 40})
     quick = load(h, "quick", {"m": 60}, task="x")
-    one = h.core.request(h.owner, "one", {"m": 50}, "u")
-    two = h.core.request(h.owner, "two", {"m": 50}, "v")
+    one = h.core.request(h.owner, Request("one", {"m": 50}), "u")
+    two = h.core.request(h.owner, Request("two", {"m": 50}), "v")
     h.drain()
     h.end(quick)  # both idle entries go for them
     assert releases(h) == ["slow", "quick"]
@@ -257,8 +257,8 @@ def test_a_request_of_a_lower_priority_waits_behind_a_blocked_higher_one() -> No
     for later ones up to its priority, even one that would fit the free bytes."""
     h = Harness({"m": 100})
     held = load(h, "held", {"m": 80}, task="x")
-    first = h.core.request(h.owner, "first", {"m": 50}, "u", priority=5)
-    low = h.core.request(h.owner, "low", {"m": 10}, "v", priority=0)
+    first = h.core.request(h.owner, Request("first", {"m": 50}, priority=5), "u")
+    low = h.core.request(h.owner, Request("low", {"m": 10}, priority=0), "v")
     h.drain()
     assert first.entry.state is State.WAITING and low.entry.state is State.WAITING
     h.end(held)  # evicted for first; then both fit
@@ -274,8 +274,8 @@ def test_a_later_request_that_fits_is_not_granted_ahead_in_the_same_space() -> N
     old = idle(h, "k", {"m": 30})
     h.core.invalidate(h.owner, "k")
     h.drain()
-    first = h.core.request(h.owner, "k", {"m": 30}, "u")  # after its old value's release
-    late = h.core.request(h.owner, "late", {"m": 10}, "v")
+    first = h.core.request(h.owner, Request("k", {"m": 30}), "u")  # after its old value's release
+    late = h.core.request(h.owner, Request("late", {"m": 10}), "v")
     h.drain()
     assert first.entry.state is State.WAITING and late.entry.state is State.WAITING
     h.ack(old)
@@ -295,7 +295,7 @@ def crowded(**options: Any) -> tuple[Harness, dict[str, Ticket]]:
     h = Harness({"m": 100}, **options)
     h.core.fair_requests = 3
     held = {key: load(h, key, {"m": 30}, task=f"task-{key}") for key in "abc"}
-    again = h.core.request(h.owner, "a", None, "task-a2")  # a: the most recently requested
+    again = h.core.request(h.owner, Request("a"), "task-a2")  # a: the most recently requested
     h.drain()
     held["a2"] = again
     return h, held
@@ -305,7 +305,7 @@ def serve_requests(h: Harness, n: int) -> None:
     """``n`` requests served (hits on an entry of another cache), which let time pass."""
     other = h.core.open_owner("other")
     for i in range(n):
-        ticket = h.core.request(other, f"tiny-{i}", {}, "w")
+        ticket = h.core.request(other, Request(f"tiny-{i}", {}), "w")
         h.drain()
         h.finish(ticket.entry)
         h.end(ticket)
@@ -313,7 +313,7 @@ def serve_requests(h: Harness, n: int) -> None:
 
 def test_draining_waits_for_its_turn_then_dooms_the_least_recently_requested_first() -> None:
     h, held = crowded()
-    waiter = h.core.request(h.owner, "w", {"m": 50}, "u")  # 10 B free: short of 40
+    waiter = h.core.request(h.owner, Request("w", {"m": 50}), "u")  # 10 B free: short of 40
     h.drain()
     assert draining(h) == set()  # not before fair_requests more requests were served
     serve_requests(h, 3)
@@ -327,7 +327,7 @@ def test_draining_waits_for_its_turn_then_dooms_the_least_recently_requested_fir
 
 def test_draining_stops_as_soon_as_the_shortfall_is_covered_exactly() -> None:
     h, _held = crowded()
-    h.core.request(h.owner, "w", {"m": 40}, "u")  # 10 B free: short of exactly 30
+    h.core.request(h.owner, Request("w", {"m": 40}), "u")  # 10 B free: short of exactly 30
     h.drain()
     serve_requests(h, 3)
     assert draining(h) == {"b"}
@@ -339,7 +339,7 @@ def test_draining_looks_past_leased_entries_of_other_spaces() -> None:
     elsewhere = load(h, "elsewhere", {"n": 50}, task="e")  # leased first, in another space
     for key in "ab":
         load(h, key, {"m": 50}, task=f"task-{key}")
-    h.core.request(h.owner, "w", {"m": 50}, "u")
+    h.core.request(h.owner, Request("w", {"m": 50}), "u")
     h.drain()
     serve_requests(h, 3)
     assert draining(h) == {"a"}
@@ -351,13 +351,13 @@ def hits(h: Harness, n: int, *, end: bool = True) -> list[Ticket]:
     a lease that ends is when a waiter's turn to drain is looked at."""
     other = h.core.owners.get("other") or h.core.open_owner("other")
     if "tiny" not in other.entries:
-        first = h.core.request(other, "tiny", {}, "w")
+        first = h.core.request(other, Request("tiny", {}), "w")
         h.drain()
         h.finish(first.entry)
         h.end(first)
     tickets = []
     for i in range(n):
-        ticket = h.core.request(other, "tiny", None, f"hit-{i}")
+        ticket = h.core.request(other, Request("tiny"), f"hit-{i}")
         h.drain()
         assert ticket.outcome is True  # a hit
         if end:
@@ -369,7 +369,7 @@ def hits(h: Harness, n: int, *, end: bool = True) -> list[Ticket]:
 def test_draining_starts_exactly_at_its_turn() -> None:
     h, _held = crowded()
     hits(h, 0)  # (the entry hit is loaded before the waiter asks)
-    h.core.request(h.owner, "w", {"m": 50}, "u")
+    h.core.request(h.owner, Request("w", {"m": 50}), "u")
     h.drain()
     hits(h, 1)
     assert draining(h) == set()
@@ -380,7 +380,7 @@ def test_draining_starts_exactly_at_its_turn() -> None:
 def test_a_turn_passed_unnoticed_is_taken_at_the_next_lease_end() -> None:
     h, _held = crowded()
     hits(h, 0)
-    h.core.request(h.owner, "w", {"m": 50}, "u")
+    h.core.request(h.owner, Request("w", {"m": 50}), "u")
     h.drain()
     held = hits(h, 5, end=False)  # past its turn, and no lease ended meanwhile
     assert draining(h) == set()
@@ -392,7 +392,7 @@ def test_draining_spares_pinned_entries_and_those_of_a_higher_priority() -> None
     h, held = crowded()
     h.core.configure(held["b"].entry, pin=True)
     h.core.limit(held["c"].entry, priority=5)
-    waiter = h.core.request(h.owner, "w", {"m": 40}, "u")  # short of 30
+    waiter = h.core.request(h.owner, Request("w", {"m": 40}), "u")  # short of 30
     h.drain()
     serve_requests(h, 3)
     assert draining(h) == {"a"}
@@ -402,7 +402,7 @@ def test_draining_spares_pinned_entries_and_those_of_a_higher_priority() -> None
 
 def test_a_request_of_a_higher_priority_drains_entries_of_lower_ones() -> None:
     h, _held = crowded()
-    waiter = h.core.request(h.owner, "w", {"m": 50}, "u", priority=5)
+    waiter = h.core.request(h.owner, Request("w", {"m": 50}, priority=5), "u")
     h.drain()
     serve_requests(h, 3)
     assert draining(h) == {"b", "c"}
@@ -414,10 +414,10 @@ def test_draining_leaves_entries_with_no_lease_alone() -> None:
     """A loading entry is busy but has no lease to end: it is not drained."""
     h = Harness({"m": 100})
     h.core.fair_requests = 3
-    loading = h.core.request(h.owner, "loading", {"m": 10}, "l")  # requested first
+    loading = h.core.request(h.owner, Request("loading", {"m": 10}), "l")  # requested first
     h.drain()
     held = {key: load(h, key, {"m": 30}, task=f"task-{key}") for key in "abc"}
-    waiter = h.core.request(h.owner, "w", {"m": 50}, "u")
+    waiter = h.core.request(h.owner, Request("w", {"m": 50}), "u")
     h.drain()
     serve_requests(h, 3)
     assert draining(h) == {"a", "b"}
@@ -432,7 +432,7 @@ def test_draining_counts_what_is_already_coming() -> None:
     h, _held = crowded()
     h.core.invalidate(h.owner, "b")  # b gives its key up: released at its last lease's end
     h.drain()
-    waiter = h.core.request(h.owner, "w", {"m": 60}, "u")  # short of 50: b brings 30
+    waiter = h.core.request(h.owner, Request("w", {"m": 60}), "u")  # short of 50: b brings 30
     h.drain()
     serve_requests(h, 3)
     assert draining(h) == {"b", "c"}
@@ -450,7 +450,7 @@ def test_merging_spaces_with_live_entries_adds_their_books_and_keeps_every_promi
     going = idle(h, "going", {"cuda": 20})
     h.core.invalidate(h.owner, "going")
     h.drain()
-    waiting = h.core.request(h.owner, "w", {"cuda": 60}, "u")  # promised going's 20
+    waiting = h.core.request(h.owner, Request("w", {"cuda": 60}), "u")  # promised going's 20
     h.drain()
     assert waiting.entry.state is State.WAITING and releases(h) == ["going"]
     h.core.merge_spaces("gpu", "cuda")
@@ -477,7 +477,7 @@ def test_a_waiter_of_a_merged_space_waits_in_the_one_memory() -> None:
     leased = load(h, "leased", {"gpu": 70}, task="x")
     h.core.merge_spaces("gpu", "cuda")
     h.drain()
-    waiter = h.core.request(h.owner, "w", {"cuda": 50}, "u")
+    waiter = h.core.request(h.owner, Request("w", {"cuda": 50}), "u")
     h.drain()
     assert waiter.entry.need == {"gpu": 50} and waiter.entry.state is State.WAITING
     h.end(leased)  # evicted for it
@@ -498,7 +498,7 @@ def test_a_holders_request_left_to_its_own_leases_by_a_failed_release_is_refused
     h = Harness({"m": 100})
     mine = load(h, "mine", {"m": 50}, task="t")
     other = idle(h, "other", {"m": 50})
-    ticket = h.core.request(h.owner, "more", {"m": 50}, "t")
+    ticket = h.core.request(h.owner, Request("more", {"m": 50}), "t")
     h.drain()
     assert ticket.outcome is None and releases(h) == ["other"]
     h.refuse(other)
@@ -517,7 +517,7 @@ def test_an_overdraft_is_repaid_with_what_idle_entries_there_are_even_if_short()
     h = Harness({"m": 100})
     spare = idle(h, "spare", {"m": 20})
     held = load(h, "held", {"m": 40}, task="x")
-    big = h.core.request(h.owner, "big", {"m": 30}, "u")
+    big = h.core.request(h.owner, Request("big", {"m": 30}), "u")
     h.drain()
     h.finish(big.entry, measured={"m": 70})
     assert releases(h) == ["spare"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from cachebroker import DeadlockError, OutOfSpace, RequestTooLarge
-from cachebroker._core import FAIR_REQUESTS, Reason, State
+from cachebroker._core import FAIR_REQUESTS, Reason, Request, State
 from tests.harness import Harness
 
 
@@ -26,8 +26,8 @@ def resident(h: Harness, key: str, size: int) -> None:
 
 def test_loads_of_unknown_size_run_one_at_a_time() -> None:
     h = Harness({"m": 100})
-    first = h.core.request(h.owner, "a", None, "t1")
-    second = h.core.request(h.owner, "b", None, "t2")
+    first = h.core.request(h.owner, Request("a"), "t1")
+    second = h.core.request(h.owner, Request("b"), "t2")
     h.drain()
     assert first.entry.state is State.LOADING
     assert second.entry.state is State.WAITING  # at the gate, reserving nothing yet
@@ -48,11 +48,11 @@ def test_loads_of_unknown_size_run_one_at_a_time() -> None:
 
 def test_unknown_load_reserves_largest_measured_size_and_evicts_for_it() -> None:
     h = Harness({"m": 100})
-    a = h.core.request(h.owner, "a", None, "t")
+    a = h.core.request(h.owner, Request("a"), "t")
     h.drain()
     h.finish(a.entry, measured={"m": 60})
     h.end(a)
-    b = h.core.request(h.owner, "b", None, "t")
+    b = h.core.request(h.owner, Request("b"), "t")
     h.drain()
     # b's size is unknown: it reserves 60 (the largest measured), so a must go first.
     assert h.released == [("a", Reason.CAPACITY)]
@@ -65,7 +65,7 @@ def test_unknown_load_reserves_largest_measured_size_and_evicts_for_it() -> None
 
 def test_measured_size_is_remembered_across_evictions_and_reserved() -> None:
     h = Harness({"m": 100})
-    a = h.core.request(h.owner, "a", None, "t")
+    a = h.core.request(h.owner, Request("a"), "t")
     h.drain()
     h.finish(a.entry, "v", measured={"m": 45})
     h.end(a)
@@ -73,7 +73,7 @@ def test_measured_size_is_remembered_across_evictions_and_reserved() -> None:
     h.core.invalidate(h.owner, "a")
     h.drain()
     h.ack(a.entry)
-    h2 = h.core.request(h.owner, "a", None, "t")
+    h2 = h.core.request(h.owner, Request("a"), "t")
     assert h2.entry.need == {"m": 45}  # reserved before the load, from memory
 
 
@@ -92,9 +92,9 @@ def test_measured_size_above_what_quarantine_leaves_is_refused() -> None:
 
 def test_nested_unknown_load_passes_the_gate_held_by_its_own_loader() -> None:
     h = Harness({"m": 100})
-    outer = h.core.request(h.owner, "a", None, "load-a")
+    outer = h.core.request(h.owner, Request("a"), "load-a")
     h.drain()
-    inner = h.core.request(h.owner, "b", None, "load-a", loading=(outer.entry,))
+    inner = h.core.request(h.owner, Request("b"), "load-a", loading=(outer.entry,))
     h.drain()
     assert inner.entry.state is State.LOADING  # not waiting for its own loader's turn
     h.core.check()
@@ -102,20 +102,20 @@ def test_nested_unknown_load_passes_the_gate_held_by_its_own_loader() -> None:
 
 def test_unknown_load_of_a_lease_holder_does_not_wait_for_a_turn_that_waits_for_it() -> None:
     h = Harness({"m": 100})
-    x = h.core.request(h.owner, "x", None, "B")
+    x = h.core.request(h.owner, Request("x"), "B")
     h.drain()
     h.finish(x.entry, measured={"m": 60})  # B holds x (60)
-    first = h.core.request(h.owner, "u1", None, "A")  # reserves 60: waits for x's lease
+    first = h.core.request(h.owner, Request("u1"), "A")  # reserves 60: waits for x's lease
     h.drain()
     assert first.entry.state is State.WAITING
-    second = h.core.request(h.owner, "u2", None, "B")  # B must not wait behind u1
+    second = h.core.request(h.owner, Request("u2"), "B")  # B must not wait behind u1
     h.drain()
     assert second.entry.state is State.LOADING
     assert second.entry.charge == {}
-    joined = h.core.request(h.owner, "u3", None, "C")  # an ordinary request waits its turn
+    joined = h.core.request(h.owner, Request("u3"), "C")  # an ordinary request waits its turn
     h.drain()
     assert joined.entry.gated
-    h.core.request(h.owner, "u3", None, "B")  # until a lease holder joins it
+    h.core.request(h.owner, Request("u3"), "B")  # until a lease holder joins it
     h.drain()
     assert not joined.entry.gated
     h.core.check()
@@ -150,7 +150,7 @@ def test_loader_joining_its_own_load_is_a_deadlock() -> None:
     h = Harness({"m": 100})
     a = h.acquire("a", 10, task="t")
     with pytest.raises(DeadlockError, match="p:'a'"):
-        h.core.request(h.owner, "a", {"m": 10}, "load-task", loading=(a.entry,))
+        h.core.request(h.owner, Request("a", {"m": 10}), "load-task", loading=(a.entry,))
     h.core.check()
     h.leave(a)  # the requester times out: the load is cancelled, nothing kept it alive
     assert h.cancelled == [a.entry]
@@ -159,10 +159,10 @@ def test_loader_joining_its_own_load_is_a_deadlock() -> None:
 def test_loaders_waiting_on_each_other_are_a_deadlock() -> None:
     h = Harness({"m": 100})
     a = h.acquire("a", 10, task="t")
-    b = h.core.request(h.owner, "b", {"m": 10}, "load-a", loading=(a.entry,))
+    b = h.core.request(h.owner, Request("b", {"m": 10}), "load-a", loading=(a.entry,))
     h.drain()
     with pytest.raises(DeadlockError):
-        h.core.request(h.owner, "a", {"m": 10}, "load-b", loading=(b.entry,))
+        h.core.request(h.owner, Request("a", {"m": 10}), "load-b", loading=(b.entry,))
     h.core.check()
 
 

@@ -22,7 +22,7 @@ from hypothesis.stateful import (
 )
 
 from cachebroker import DeadlockError, OutOfSpace, ReleaseFailed
-from cachebroker._core import Entry, Reason, State, Ticket, _transitions
+from cachebroker._core import Entry, Reason, Request, State, Ticket, _transitions
 from cachebroker._errors import BrokerClosed
 from tests.harness import Harness, waits_aside
 from tests.helpers import watch
@@ -39,7 +39,7 @@ def ask(
     task: object = "t",
     pin: bool = False,
 ) -> Ticket:
-    ticket = h.core.request(h.owner, key, {"m": size}, task, priority=priority)
+    ticket = h.core.request(h.owner, Request(key, {"m": size}, priority=priority), task)
     if pin:
         h.core.configure(ticket.entry, pin=True)
     h.drain()
@@ -123,7 +123,7 @@ def test_a_prefetch_that_lowers_a_priority_puts_an_aside_waiter_back_in_line() -
     h = Harness({"m": 10 * MiB})
     load_idle(h, "dear", 6 * MiB, priority=10)
     big = ask(h, "big", 6 * MiB)
-    assert h.core.prefetch(h.owner, "dear", {"m": 6 * MiB}, "t", h.now, priority=0) is None
+    assert h.core.prefetch(h.owner, Request("dear", {"m": 6 * MiB}, priority=0), "t", h.now) is None
     h.drain()
     assert ("dear", Reason.CAPACITY) in h.released
     h.ack(h.releasing[0])
@@ -359,7 +359,7 @@ class FairnessMachine(RuleBasedStateMachine):
         for key, spaces, size, priority, pin in residents:
             try:
                 ticket = h.core.request(
-                    h.owner, key, dict.fromkeys(spaces, size), 0, priority=priority
+                    h.owner, Request(key, dict.fromkeys(spaces, size), priority=priority), 0
                 )
             except OutOfSpace:
                 continue
@@ -386,7 +386,7 @@ class FairnessMachine(RuleBasedStateMachine):
         h = self.h
         try:
             ticket = h.core.request(
-                h.owner, key, dict.fromkeys(spaces, size), task, priority=priority
+                h.owner, Request(key, dict.fromkeys(spaces, size), priority=priority), task
             )
         except (OutOfSpace, DeadlockError):
             h.drain()

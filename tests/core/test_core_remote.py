@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cachebroker import BrokerClosed
-from cachebroker._core import Reason, State, check_after_every_step
+from cachebroker._core import Reason, Request, State, check_after_every_step
 from tests.harness import Harness
 
 
@@ -112,11 +112,11 @@ def test_drop_owner_frees_every_state_at_once_and_fails_its_waiters() -> None:
     h.refuse(quarantined.entry)
     assert core.spaces["m"].used == 50
     # Another owner fills the rest and waits for more.
-    big = core.request(other, "big", {"m": 50}, "o")
+    big = core.request(other, Request("big", {"m": 50}), "o")
     h.drain()
     h.finish(big.entry)
     waiting = h.acquire("waiting", 40)
-    theirs = core.request(other, "theirs", {"m": 40}, "o2")
+    theirs = core.request(other, Request("theirs", {"m": 40}), "o2")
     h.drain()
     assert waiting.entry.state is State.WAITING and theirs.entry.state is State.WAITING
 
@@ -143,8 +143,8 @@ def test_drop_owner_of_a_load_of_unknown_size_opens_the_gate_for_the_next() -> N
     h = Harness({"m": 100})
     failures = checked(h)
     other = h.core.open_owner("other")
-    first = h.core.request(h.owner, "a", None, "t1")
-    second = h.core.request(other, "b", None, "t2")
+    first = h.core.request(h.owner, Request("a"), "t1")
+    second = h.core.request(other, Request("b"), "t2")
     h.drain()
     assert first.entry.state is State.LOADING and second.entry.state is State.WAITING
     h.core.drop_owner(h.owner)

@@ -33,7 +33,7 @@ from cachebroker import (
     OutOfSpace,
     RequestTooLarge,
 )
-from cachebroker._core import Entry, State, Ticket, _transitions
+from cachebroker._core import Entry, Request, State, Ticket, _transitions
 from cachebroker._policies import GDSF, make_policy
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 from tests.harness import Harness, waits_aside
@@ -57,7 +57,7 @@ def place(
     priority: int | None = None,
 ) -> Ticket:
     ticket = h.core.request(
-        h.owner, key, {places[0]: size}, task, cost=cost, priority=priority, places=places
+        h.owner, Request(key, {places[0]: size}, cost=cost, priority=priority, places=places), task
     )
     h.drain()
     return ticket
@@ -209,7 +209,7 @@ def test_a_promotion_chooses_again_among_every_place_its_acquire_asked_for() -> 
     assert h.core.invalidate(h.owner, "x")
     h.drain()
     h.ack(h.owner.entries["x"])  # gpu0 is empty; gpu1 is c's, leased
-    again = h.core.request(h.owner, "a", None, "t")
+    again = h.core.request(h.owner, Request("a"), "t")
     h.drain()
     assert a.places == GPUS  # t holds no lease now: both places are open to it
     assert a.state is State.MOVING and h.moving == [(a, "gpu0")]
@@ -221,13 +221,13 @@ def test_a_promotion_chooses_again_among_every_place_its_acquire_asked_for() -> 
 def test_a_place_left_out_for_the_promoting_requesters_own_lease_is_out_of_that_wait_only() -> None:
     h = tiered_gpus()
     _, a = demoted_from_gpu1(h)  # t still holds x, 80 of gpu0
-    again = h.core.request(h.owner, "a", None, "t")
+    again = h.core.request(h.owner, Request("a"), "t")
     h.drain()
     # In gpu0 only t's own lease could make room: this promotion waits in gpu1.
     assert a in h.core.queue and a.places is None and a.need == {"gpu1": 60}
     assert a.asked_places == GPUS
     h.leave(again)
-    again = h.core.request(h.owner, "a", None, "v")  # another task: gpu0 is open to it
+    again = h.core.request(h.owner, Request("a"), "v")  # another task: gpu0 is open to it
     h.drain()
     assert a in h.core.queue and a.places == GPUS
     h.core.check()
@@ -432,7 +432,7 @@ class PlacementMachine(RuleBasedStateMachine):
             current = current.successor
         try:
             ticket = h.core.request(
-                h.owner, key, need, task, cost=cost, priority=priority, places=places
+                h.owner, Request(key, need, cost=cost, priority=priority, places=places), task
             )
         except (OutOfSpace, DeadlockError):  # (RequestTooLarge is an OutOfSpace)
             h.drain()
@@ -709,7 +709,7 @@ def held(h: Harness, key: str, need: Mapping[str, int], task: Hashable) -> Ticke
 
 def idle(h: Harness, key: str, need: Mapping[str, int], *, cost: float | None = None) -> None:
     """``key`` loaded and idle."""
-    ticket = h.core.request(h.owner, key, dict(need), "loader", cost=cost)
+    ticket = h.core.request(h.owner, Request(key, dict(need), cost=cost), "loader")
     h.drain()
     h.finish(ticket.entry)
     h.end(ticket)
@@ -822,8 +822,8 @@ def test_a_placed_waiter_served_nowhere_is_first_in_line_in_each_place_per_prior
     held(h, "x0", {"gpu0": 80}, "U")
     held(h, "x1", {"gpu1": 80}, "U")
     first = place(h, "p", 60, task="T", priority=0)
-    low = h.core.request(h.owner, "low", {"gpu1": 10}, "V", priority=0)
-    high = h.core.request(h.owner, "high", {"gpu1": 10}, "W", priority=1)
+    low = h.core.request(h.owner, Request("low", {"gpu1": 10}, priority=0), "V")
+    high = h.core.request(h.owner, Request("high", {"gpu1": 10}, priority=1), "W")
     h.drain()
     assert first.entry.state is State.WAITING
     assert low.entry.state is State.WAITING  # behind p in gpu1, though it fits
@@ -939,7 +939,7 @@ def test_a_demoted_value_comes_back_among_all_the_spaces_it_was_asked_for() -> N
     h.move(a)
     h.finish(busy.entry)
     assert a.state is State.DEMOTED and h.used("gpu0") == 0
-    again = h.core.request(h.owner, "a", None, "T")
+    again = h.core.request(h.owner, Request("a"), "T")
     h.drain()
     assert a.state is State.MOVING and h.moving == [(a, "gpu0")]
     h.move(a)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cachebroker import OutOfSpace
-from cachebroker._core import Reason, State
+from cachebroker._core import Reason, Request, State
 from cachebroker._policies import make_policy
 from tests.harness import Harness
 
@@ -437,7 +437,7 @@ def test_a_prefetch_of_an_entry_whose_demotion_waits_counts_no_request() -> None
     h.acquire("b", GPU60, task="B")
     assert a.entry in h.core.demoting
     tick = h.core.tick
-    ticket = h.core.prefetch(h.owner, "a", dict(GPU60), "P", h.now)
+    ticket = h.core.prefetch(h.owner, Request("a", dict(GPU60)), "P", h.now)
     h.drain()
     assert ticket is None or ticket.outcome is True
     if ticket is not None:

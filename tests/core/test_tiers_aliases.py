@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 from cachebroker import Broker, InvalidArgument
-from cachebroker._core import State
+from cachebroker._core import Request, State
 from tests.harness import Harness
 from tests.helpers import Device, steps_until
 
@@ -276,7 +276,7 @@ def loader_of(value: str) -> Any:
 
 def test_a_value_measured_into_its_space_comes_back_by_the_measured_name() -> None:
     h = one_gpu()
-    ticket = h.core.request(h.owner, "w", None, "w")  # (a size unknown until measured)
+    ticket = h.core.request(h.owner, Request("w"), "w")  # (a size unknown until measured)
     h.drain()
     h.finish(ticket.entry, measured={"whisper": 60})
     h.end(ticket)

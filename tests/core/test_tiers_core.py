@@ -38,6 +38,7 @@ from cachebroker._core import (
     Effect,
     Entry,
     Owner,
+    Request,
     StartLoad,
     StartMove,
     State,
@@ -186,7 +187,9 @@ class TiersMachine(RuleBasedStateMachine):
         loads = len(h.loading)
         try:
             declared = None if 0 in need.values() else dict(need)
-            ticket = h.core.request(owner, key, declared, who, priority=priority, slots=slots)
+            ticket = h.core.request(
+                owner, Request(key, declared, priority=priority, slots=slots), who
+            )
         except (DeadlockError, OutOfSpace, BrokerClosed) as exc:
             note(f"request {which}:{key} {need} task={who} raised {exc!r}")
             h.drain()

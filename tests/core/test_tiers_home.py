@@ -23,7 +23,7 @@ import anyio
 import pytest
 
 from cachebroker import Broker, DeadlockError
-from cachebroker._core import Reason, State, Ticket
+from cachebroker._core import Reason, Request, State, Ticket
 from tests.harness import Harness
 
 STEPS = 2_000
@@ -35,7 +35,7 @@ def tiered(budget: dict[str, int] | None = None) -> Harness:
 
 def idle(h: Harness, key: str, need: dict[str, int], **options: Any) -> None:
     """Load ``key`` and end its lease: an idle entry."""
-    ticket = h.core.request(h.owner, key, need, "t", **options)
+    ticket = h.core.request(h.owner, Request(key, need, **options), "t")
     h.drain()
     h.finish(ticket.entry)
     h.end(ticket)
@@ -192,7 +192,7 @@ PLACES = ("cuda:0", "ram")
 def test_a_demoted_value_is_never_placed_back_where_it_is_parked() -> None:
     h = Harness({"cuda:0": 100, "ram": 100}, tiers={"cuda:0": "ram"}, moves=True)
     idle(h, "a", {"cuda:0": 60}, places=PLACES)
-    b = h.core.request(h.owner, "b", {"cuda:0": 60}, "u")
+    b = h.core.request(h.owner, Request("b", {"cuda:0": 60}), "u")
     h.drain()
     a = h.owner.entries["a"]
     h.move(a)
@@ -201,7 +201,7 @@ def test_a_demoted_value_is_never_placed_back_where_it_is_parked() -> None:
     # Only evicting its own lease could make room in the one place left: ram
     # would count the value there twice.
     with pytest.raises(DeadlockError, match="leased by the requesting task itself"):
-        h.core.request(h.owner, "a", {"cuda:0": 60}, "u", places=PLACES)
+        h.core.request(h.owner, Request("a", {"cuda:0": 60}, places=PLACES), "u")
     h.drain()
     assert a.state is State.DEMOTED and a.idle and a not in h.core.queue
     assert a.places == ("cuda:0",)
@@ -215,12 +215,12 @@ def test_a_demoted_value_placed_elsewhere_comes_back_up_there() -> None:
         moves=True,
     )
     idle(h, "a", {"cuda:0": 60}, places=("cuda:0", "ram", "cuda:1"))
-    b = h.core.request(h.owner, "b", {"cuda:0": 60}, "u")
+    b = h.core.request(h.owner, Request("b", {"cuda:0": 60}), "u")
     h.drain()
     a = h.owner.entries["a"]
     h.move(a)
     h.finish(b.entry)
-    ticket = h.core.request(h.owner, "a", {"cuda:0": 60}, "u", places=PLACES)
+    ticket = h.core.request(h.owner, Request("a", {"cuda:0": 60}, places=PLACES), "u")
     h.drain()
     settle(h, ticket)
     assert ticket.outcome is True and a.charge == {"cuda:1": 60}  # (not ram: parked there)
@@ -414,7 +414,7 @@ def test_a_refused_request_for_a_value_waiting_to_move_further_down_leaves_it_id
     c = h.acquire("c", {"ram": 60}, task="U")  # a waits for room in disk (x is released)
     assert a in h.core.demoting
     with pytest.raises(DeadlockError, match="leased by the requesting task itself"):
-        h.core.request(h.owner, "a", {"gpu": 60}, "T")  # only T's own b could make room
+        h.core.request(h.owner, Request("a", {"gpu": 60}), "T")  # only T's own b could make room
     h.drain()
     h.core.check()
     h.ack(h.owner.entries["x"])

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cachebroker import FIFO, GDSF, LRU, CostAware, Policy, PolicyBase, PolicyEntry
-from cachebroker._core import Reason, Ticket
+from cachebroker._core import Reason, Request, Ticket
 from cachebroker._policies import make_policy
 from tests.harness import Harness
 
@@ -139,7 +139,7 @@ class PolicyMachine(RuleBasedStateMachine):
                 return  # would wait for a lease: out of scope here
             expected = self.model(ref, shortfall) if self.model and shortfall > 0 else None
         before = len(h.released)
-        ticket = h.core.request(h.owner, key, {"m": size} if size else {}, task, cost=cost)
+        ticket = h.core.request(h.owner, Request(key, {"m": size} if size else {}, cost=cost), task)
         h.drain()
         assert ticket.outcome is True
         self.leases.append(ticket)
@@ -193,10 +193,10 @@ def test_cost_policy_prefers_evicting_cheap_reloads() -> None:
     """Same size, same recency of use: the entry that is cheap to reload goes first."""
     h = Harness({"m": 100}, policy=CostAware(), instant=True)
     for key, cost in (("slow", 90.0), ("fast", 3.0)):
-        ticket = h.core.request(h.owner, key, {"m": 40}, 1, cost=cost)
+        ticket = h.core.request(h.owner, Request(key, {"m": 40}, cost=cost), 1)
         h.drain()
         h.end(ticket)
-    h.core.request(h.owner, "new", {"m": 40}, 1, cost=1.0)
+    h.core.request(h.owner, Request("new", {"m": 40}, cost=1.0), 1)
     h.drain()
     assert [k for k, _ in h.released] == ["fast"]
 
@@ -205,10 +205,10 @@ def test_cost_policy_evicts_the_cheapest_covering_set_not_the_lowest_ranks() -> 
     """One big cheap entry can cover a shortfall that several small dear ones would."""
     h = Harness({"m": 100}, policy=CostAware(), instant=True)
     for key, size, cost in (("s1", 10, 5.0), ("s2", 10, 5.0), ("s3", 10, 5.0), ("big", 60, 6.0)):
-        ticket = h.core.request(h.owner, key, {"m": size}, 1, cost=cost)
+        ticket = h.core.request(h.owner, Request(key, {"m": size}, cost=cost), 1)
         h.drain()
         h.end(ticket)
-    h.core.request(h.owner, "new", {"m": 60}, 1, cost=1.0)
+    h.core.request(h.owner, Request("new", {"m": 60}, cost=1.0), 1)
     h.drain()
     assert [k for k, _ in h.released] == ["big"]
 
@@ -227,7 +227,7 @@ def test_gdsf_with_equal_costs_and_sizes_is_lfu_with_aging(requests: list[str]) 
         if key not in freq and len(freq) == 3:
             victim = min(freq, key=lambda k: base[k] + freq[k])
             clock = base[victim] + freq[victim]
-        ticket = h.core.request(h.owner, key, {"m": 10}, 1, cost=1.0)
+        ticket = h.core.request(h.owner, Request(key, {"m": 10}, cost=1.0), 1)
         h.drain()
         h.end(ticket)
         gone = [str(k) for k, _ in h.released[before:]]
@@ -259,10 +259,10 @@ def test_user_policy_built_on_policy_base() -> None:
     assert isinstance(policy, Policy)
     h = Harness({"m": 100}, policy=policy, instant=True)
     for key in "ab":
-        ticket = h.core.request(h.owner, key, {"m": 50}, 1)
+        ticket = h.core.request(h.owner, Request(key, {"m": 50}), 1)
         h.drain()
         h.end(ticket)
-    h.core.request(h.owner, "c", {"m": 50}, 1)
+    h.core.request(h.owner, Request("c", {"m": 50}), 1)
     h.drain()
     assert [k for k, _ in h.released] == ["b"]
 

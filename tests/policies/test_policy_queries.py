@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import pytest
 
-from cachebroker._core import Entry, Ticket, _transitions
+from cachebroker._core import Entry, Request, Ticket, _transitions
 from cachebroker._core._scheduler import _place
 from cachebroker._policies import GDSF, LRU, CostAware, PolicyEntry, make_policy
 from cachebroker._policies._priorities import Priorities
@@ -39,7 +39,9 @@ def idle(
     priority: int | None = None,
 ) -> Entry:
     """``key`` loaded and idle."""
-    ticket = h.core.request(h.owner, key, dict(need), "loader", cost=cost, priority=priority)
+    ticket = h.core.request(
+        h.owner, Request(key, dict(need), cost=cost, priority=priority), "loader"
+    )
     h.drain()
     h.finish(ticket.entry)
     h.end(ticket)
@@ -47,7 +49,7 @@ def idle(
 
 
 def place(h: Harness, key: str, size: int, *, places: tuple[str, ...] = GPUS) -> Ticket:
-    ticket = h.core.request(h.owner, key, {places[0]: size}, "t", places=places)
+    ticket = h.core.request(h.owner, Request(key, {places[0]: size}, places=places), "t")
     h.drain()
     return ticket
 
@@ -128,7 +130,7 @@ def test_the_gdsf_clock_rises_to_the_lowest_priority_of_a_victim_over_the_short_
 def test_a_value_released_instead_of_demoted_ages_gdsf_by_its_own_priority_only() -> None:
     policy = GDSF()
     h = Harness({"gpu0": 100, "ram": 90}, tiers={"gpu0": "ram"}, moves=True, policy=policy)
-    lease = h.core.request(h.owner, "a", {"gpu0": 20}, "u", cost=4.0)
+    lease = h.core.request(h.owner, Request("a", {"gpu0": 20}, cost=4.0), "u")
     h.drain()
     h.finish(lease.entry)  # a: priority 0 + 1 x 4 / 20 = 0.2, leased for now
     idle(h, "z", {"gpu0": 80}, cost=40.0)  # priority 0 + 1 x 40 / 80 = 0.5

@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from cachebroker import LRU, CostAware, PolicyEntry
 from cachebroker._core import Reason, Ticket, _transitions
+from cachebroker._core import Request as Asked
 from cachebroker.simulator import CATALOGUE, Request, replay
 from tests.harness import Harness
 
@@ -383,7 +384,7 @@ def test_batched_victims_match_exact_ones_after_a_burst_on_a_new_key() -> None:
 
         def use(key: str, n: int, cost: float, h: Harness = h) -> None:
             for _ in range(n):
-                ticket = h.core.request(h.owner, key, {"m": 10}, 1, cost=cost)
+                ticket = h.core.request(h.owner, Asked(key, {"m": 10}, cost=cost), 1)
                 h.drain()
                 h.end(ticket)
 
@@ -473,7 +474,7 @@ def test_cold_entries_are_still_ranked_by_rate_after_underflow() -> None:
 
         def use(key: str, n: int = 1, h: Harness = h) -> None:
             for _ in range(n):
-                ticket = h.core.request(h.owner, key, {"m": 10}, 1, cost=1.0)
+                ticket = h.core.request(h.owner, Asked(key, {"m": 10}, cost=1.0), 1)
                 h.drain()
                 h.end(ticket)
 
@@ -707,7 +708,7 @@ def test_extreme_half_lives_keep_the_books_right(half_life: float) -> None:
         else:
             key = rng.randrange(25)
             size = {"m": 5 + key % 13, **({"g": 3 + key % 7} if key % 3 == 0 else {})}
-            ticket = h.core.request(h.owner, key, size, rng.randrange(3), cost=key % 4)
+            ticket = h.core.request(h.owner, Asked(key, size, cost=key % 4), rng.randrange(3))
             h.drain()
             if ticket.outcome is True:
                 leases.append(ticket)
@@ -980,7 +981,7 @@ class TunedCoreMachine(RuleBasedStateMachine):
                     return  # would wait for a lease: out of scope here
         before = len(h.released)
         for _ in range(times):
-            ticket = h.core.request(h.owner, key, need, task, cost=cost)
+            ticket = h.core.request(h.owner, Asked(key, need, cost=cost), task)
             h.drain()
             note(f"{key!r} -> {ticket.outcome!r}; released {h.released[-3:]}")
             assert ticket.outcome is True

@@ -20,7 +20,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from cachebroker import CostAware, PolicyEntry
-from cachebroker._core import Reason
+from cachebroker._core import Reason, Request
 from tests.harness import Harness
 
 HALF_LIFE = 4.0
@@ -165,10 +165,10 @@ def test_cost_policy_covers_a_shortfall_in_two_spaces_through_the_core() -> None
         ("ram-only", {"ram": 50}, 1.0),
         ("both", {"gpu": 50, "ram": 50}, 5.0),
     ):
-        ticket = h.core.request(h.owner, key, need, 1, cost=reload)
+        ticket = h.core.request(h.owner, Request(key, need, cost=reload), 1)
         h.drain()
         h.end(ticket)
-    ticket = h.core.request(h.owner, "new", {"gpu": 50, "ram": 50}, 1, cost=1.0)
+    ticket = h.core.request(h.owner, Request("new", {"gpu": 50, "ram": 50}, cost=1.0), 1)
     h.drain()
     assert ticket.outcome is True
     assert sorted(str(k) for k, _ in h.released) == ["gpu-only", "ram-only"]

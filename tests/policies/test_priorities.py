@@ -35,7 +35,7 @@ from cachebroker import (
     PolicyBase,
     PolicyEntry,
 )
-from cachebroker._core import Entry, Reason, State, Ticket, _transitions
+from cachebroker._core import Entry, Reason, Request, State, Ticket, _transitions
 from cachebroker._policies import make_policy
 from tests.harness import Harness
 from tests.helpers import steps_until, watch
@@ -46,7 +46,7 @@ POLICIES = ["lru", "fifo", "gdsf", "cost"]
 
 
 def ask(h: Harness, key: str, size: int, priority: int | None, task: object = "t") -> Ticket:
-    ticket = h.core.request(h.owner, key, {"m": size}, task, priority=priority)
+    ticket = h.core.request(h.owner, Request(key, {"m": size}, priority=priority), task)
     h.drain()
     return ticket
 
@@ -305,7 +305,7 @@ def test_an_uncopyable_policy_refused_at_a_second_priority_leaves_the_books_cons
     h = Harness({"m": 30}, policy=Uncopyable(), instant=True)
     h.end(ask(h, "a", 10, 0))
     with pytest.raises(InvalidArgument, match="cannot be copied"):
-        h.core.request(h.owner, "b", {"m": 10}, "t", priority=1)
+        h.core.request(h.owner, Request("b", {"m": 10}, priority=1), "t")
     h.drain()
     assert "b" not in h.owner.entries and not h.core.queue
     h.core.check()
@@ -505,7 +505,7 @@ def test_merged_spaces_keep_the_priorities_order() -> None:
     h = Harness({"ram": 50, "gpu": 50}, instant=True)
     core = h.core
     for key, space, priority in (("g-high", "gpu", 5), ("r-low", "ram", 0), ("g-low", "gpu", 1)):
-        ticket = core.request(h.owner, key, {space: 25}, "t", priority=priority)
+        ticket = core.request(h.owner, Request(key, {space: 25}, priority=priority), "t")
         h.drain()
         h.end(ticket)
     core.merge_spaces("ram", "gpu")
@@ -513,7 +513,7 @@ def test_merged_spaces_keep_the_priorities_order() -> None:
     core.check()
     # Merged: 75 bytes in a space of 50; repaid from the lowest priority up.
     assert [k for k, r in h.released if r is Reason.CAPACITY] == ["r-low"]
-    ticket = core.request(h.owner, "new", {"ram": 25}, "t", priority=5)
+    ticket = core.request(h.owner, Request("new", {"ram": 25}, priority=5), "t")
     h.drain()
     assert ticket.outcome is True
     assert [k for k, r in h.released if r is Reason.CAPACITY] == ["r-low", "g-low"]
@@ -632,7 +632,7 @@ class LimitsMachine(RuleBasedStateMachine):
         who = task if task else self.tasks + 100
         try:
             ticket = h.core.request(
-                self._owner(which), key, dict(need), who, priority=priority, slots=slots
+                self._owner(which), Request(key, dict(need), priority=priority, slots=slots), who
             )
         except (DeadlockError, OutOfSpace, BrokerClosed) as exc:
             note(f"request {which}:{key} raised {exc!r}")

@@ -30,7 +30,7 @@ from cachebroker import (
     DeadlockError,
     InvalidArgument,
 )
-from cachebroker._core import State, Ticket
+from cachebroker._core import Request, State, Ticket
 from tests.harness import Harness
 from tests.helpers import steps_until
 from tests.remote.support import Plugin, serving
@@ -303,7 +303,7 @@ class SlotMachine(RuleBasedStateMachine):
     def acquire(self) -> None:
         self.tasks += 1
         task = self.tasks
-        ticket = self.h.core.request(self.h.owner, "k", {"m": 10}, task, slots=self.slots)
+        ticket = self.h.core.request(self.h.owner, Request("k", {"m": 10}, slots=self.slots), task)
         self.h.drain()
         self.asked_order.append(task)
         if ticket.outcome is True:
@@ -765,11 +765,11 @@ async def test_a_lease_handed_to_another_task_makes_the_next_acquire_wait_not_fa
 
 def test_a_waiter_left_waiting_on_its_own_leases_after_a_lowered_limit_is_refused() -> None:
     h = Harness({"m": 100}, instant=True)
-    mine = h.core.request(h.owner, "k", {"m": 10}, "T", slots=2)
-    other = h.core.request(h.owner, "k", {"m": 10}, "U")
+    mine = h.core.request(h.owner, Request("k", {"m": 10}, slots=2), "T")
+    other = h.core.request(h.owner, Request("k", {"m": 10}), "U")
     h.drain()
     assert mine.outcome is True and other.outcome is True
-    again = h.core.request(h.owner, "k", {"m": 10}, "T", slots=1)  # waits: U holds one
+    again = h.core.request(h.owner, Request("k", {"m": 10}, slots=1), "T")  # waits: U holds one
     h.drain()
     assert again.outcome is None
     h.end(other)  # now only T's own lease holds the only slot
@@ -780,10 +780,10 @@ def test_a_waiter_left_waiting_on_its_own_leases_after_a_lowered_limit_is_refuse
 def test_a_slot_held_by_a_lease_that_may_travel_is_waited_for_not_refused() -> None:
     """The books: an unbound lease (awaited, not entered) may be ended by another task."""
     h = Harness({"m": 100}, instant=True)
-    loose = h.core.request(h.owner, "k", {"m": 10}, "T", slots=1, bound=False)
+    loose = h.core.request(h.owner, Request("k", {"m": 10}, slots=1), "T", bound=False)
     h.drain()
     assert loose.outcome is True and loose.entry.bound == []
-    again = h.core.request(h.owner, "k", {"m": 10}, "T")  # bound: it waits for its turn
+    again = h.core.request(h.owner, Request("k", {"m": 10}), "T")  # bound: it waits for its turn
     h.drain()
     h.core.check()
     assert again.outcome is None and again in loose.entry.joiners
@@ -792,21 +792,21 @@ def test_a_slot_held_by_a_lease_that_may_travel_is_waited_for_not_refused() -> N
     assert again.outcome is True and loose.entry.bound == ["T"]
     # Now the slot is bound to T: asking again from T could only wait on itself.
     with pytest.raises(DeadlockError, match=r"p:'k'.*concurrency=1"):
-        h.core.request(h.owner, "k", {"m": 10}, "T")
+        h.core.request(h.owner, Request("k", {"m": 10}), "T")
 
 
 def test_a_lease_granted_later_keeps_whether_it_was_bound() -> None:
     """The books: a slot waiter's ``bound`` goes with the lease it is granted."""
     h = Harness({"m": 100}, instant=True)
-    first = h.core.request(h.owner, "k", {"m": 10}, "U", slots=1)
+    first = h.core.request(h.owner, Request("k", {"m": 10}, slots=1), "U")
     h.drain()
-    waiter = h.core.request(h.owner, "k", {"m": 10}, "T", bound=False)
+    waiter = h.core.request(h.owner, Request("k", {"m": 10}), "T", bound=False)
     h.drain()
     h.end(first)
     h.core.check()
     assert waiter.outcome is True and waiter.entry.bound == []
     # T's only lease may travel: T's next request waits instead of failing.
-    nxt = h.core.request(h.owner, "k", {"m": 10}, "T")
+    nxt = h.core.request(h.owner, Request("k", {"m": 10}), "T")
     h.drain()
     assert nxt.outcome is None
     h.end(waiter)
@@ -816,8 +816,8 @@ def test_a_lease_granted_later_keeps_whether_it_was_bound() -> None:
 def test_a_task_ending_one_of_two_kinds_of_lease_is_never_refused_falsely() -> None:
     """The books cannot tell which of a task's two leases ended: the bound one is forgotten."""
     h = Harness({"m": 100}, instant=True)
-    bound = h.core.request(h.owner, "k", {"m": 10}, "T", slots=2)
-    loose = h.core.request(h.owner, "k", {"m": 10}, "T", bound=False)
+    bound = h.core.request(h.owner, Request("k", {"m": 10}, slots=2), "T")
+    loose = h.core.request(h.owner, Request("k", {"m": 10}), "T", bound=False)
     h.drain()
     entry = bound.entry
     assert entry.bound == ["T"] and entry.holders == ["T", "T"]
@@ -825,7 +825,7 @@ def test_a_task_ending_one_of_two_kinds_of_lease_is_never_refused_falsely() -> N
     h.core.check()
     assert entry.bound == [] and entry.leases == 1
     h.core.limit(entry, slots=1)
-    again = h.core.request(h.owner, "k", {"m": 10}, "T")  # waits for the lease left
+    again = h.core.request(h.owner, Request("k", {"m": 10}), "T")  # waits for the lease left
     h.drain()
     assert again.outcome is None
     h.end(loose)
@@ -876,9 +876,9 @@ async def test_unlimited_entries_keep_the_hit_path_after_a_limit_was_set_and_low
     slow: list[Hashable] = []
     original = Cache._acquire_slow
 
-    async def counting(self: Cache, key: Hashable, *args: Any) -> Any:
-        slow.append(key)
-        return await original(self, key, *args)
+    async def counting(self: Cache, lease: Any, entered: bool) -> Any:
+        slow.append(lease.key)
+        return await original(self, lease, entered)
 
     monkeypatch.setattr(Cache, "_acquire_slow", counting)
     async with (

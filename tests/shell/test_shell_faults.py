@@ -20,7 +20,7 @@ import anyio.lowlevel
 import pytest
 
 from cachebroker import Broker, BrokerClosed, BrokerError, Cache, LoadFailed
-from cachebroker._core import State
+from cachebroker._core import Request, State
 from cachebroker.probes import Probe
 from tests.harness import Harness
 from tests.helpers import Recorder, loader, plugin_name, wait_until
@@ -222,7 +222,7 @@ def test_abandoned_load_stays_charged_and_listed_until_its_release() -> None:
     assert list(h.core.entries()) == [orphan]
     assert (h.used(), h.core.spaces["m"].releasing) == (60, 60)
     h.core.check()
-    waiter = h.core.request(other, "b", {"m": 80}, "t")
+    waiter = h.core.request(other, Request("b", {"m": 80}), "t")
     h.drain()
     assert waiter.entry.state is State.WAITING  # its bytes are not free yet
     h.core.release_done(orphan)

@@ -15,7 +15,7 @@ from typing import Any
 from .._errors import BrokerClosed, InvalidArgument, ReleaseFailed
 from . import _aliases, _departures, _invariants, _reach, _refusals, _requests, _tiers, _transitions
 from ._effects import CancelLoad, Quarantined
-from ._model import Entry, Owner, Reason, State, Ticket, _naming, _shrink_if_empty, sync
+from ._model import Entry, Owner, Reason, Request, State, Ticket, _naming, _shrink_if_empty, sync
 from ._scheduler import schedule
 from ._state import Books, keep
 from ._tiers import canonical
@@ -186,30 +186,25 @@ class Core(Books):
     def request(
         self,
         owner: Owner,
-        key: Hashable,
-        need: dict[str, int] | None,
+        request: Request,
         task: object,
         *,
-        cost: float | None = None,
         loading: tuple[Entry, ...] = (),
         urgent: bool = False,
         held: tuple[Entry, ...] | None = None,
-        slots: int | None = None,
-        priority: int | None = None,
-        places: tuple[str, ...] | None = None,
         bound: bool = True,
     ) -> Ticket:
-        """Ask for ``key`` on behalf of ``task``; returns a ticket to wait on.
+        """Ask for ``request.key`` on behalf of ``task``; returns a ticket to wait on.
 
         A ready entry is leased at once (``ticket.outcome is True``) while it
         has a free lease slot and nobody waits for one; else the ticket waits
         for a slot, in arrival order, without asking for space. Otherwise the
         ticket joins the entry's load, creating the entry (and queueing it for
-        space) when there is none to join. ``slots`` and ``priority`` override
-        the entry's (the latest request's win; a new entry takes its owner's
+        space) when there is none to join. The request's ``slots`` and
+        ``priority`` override the entry's (the latest request's win; a new entry takes its owner's
         when they are ``None``).
 
-        ``need`` is the declared size; ``None`` means "measured after the
+        ``request.need`` is the declared size; ``None`` means "measured after the
         load": the key's remembered size is reserved, and a key never measured
         is a load of unknown size. Those run one at a time (the gate), each
         reserving the largest size its cache has measured in each space, so
@@ -223,7 +218,7 @@ class Core(Books):
         (whose loaders and leases these books do not see), and ``held`` names
         the entries its task leases there, for deadlock detection.
 
-        ``places``: the spaces a new entry may be loaded in, ``need`` being
+        ``request.places``: the spaces a new entry may be loaded in, ``need`` being
         its size in the first (one space); the scheduler chooses among those
         that can ever hold it and would not wait on ``task``'s own leases.
 
@@ -244,13 +239,13 @@ class Core(Books):
         """
         if owner.closing:
             raise BrokerClosed(
-                f"cache {owner.name!r} is closed: cannot acquire {owner.name}:{key!r}"
+                f"cache {owner.name!r} is closed: cannot acquire {owner.name}:{request.key!r}"
             )
-        entry = owner.entries.get(key)
+        entry = owner.entries.get(request.key)
         if entry is not None and entry.state is State.RELEASING:
             entry = entry.successor
-        if entry is not None and (slots is not None or priority is not None):
-            self.limit(entry, slots=slots, priority=priority)
+        if entry is not None and (request.slots is not None or request.priority is not None):
+            self.limit(entry, slots=request.slots, priority=request.priority)
         kept = entry is not None and entry in self.demoting
         if kept:  # its demotion still waits for room: it stays where it is
             _transitions.cancel_demotion(self, entry)  # type: ignore[arg-type]
@@ -265,9 +260,7 @@ class Core(Books):
                 schedule(self)
             return ticket
         if entry is None:
-            entry, mine = _requests.miss(
-                self, owner, key, need, task, cost, loading, urgent, held, slots, priority, places
-            )
+            entry, mine = _requests.miss(self, owner, request, task, loading, urgent, held)
         else:
             mine = _requests.join(self, entry, kept, task, loading, held)
         ticket = _transitions.join(self, entry, task, loading, held, bound=bound, mine=mine)
@@ -323,21 +316,15 @@ class Core(Books):
     def prefetch(
         self,
         owner: Owner,
-        key: Hashable,
-        need: dict[str, int] | None,
+        request: Request,
         task: object,
         now: float,
         *,
-        cost: float | None = None,
-        idle_ttl: float | None = None,
-        pin: bool = False,
         loading: tuple[Entry, ...] = (),
-        priority: int | None = None,
-        places: tuple[str, ...] | None = None,
     ) -> Ticket | None:
-        """Have ``key`` loaded on behalf of ``task``, without counting a request.
+        """Have ``request.key`` loaded on behalf of ``task``, without counting a request.
 
-        A ready entry is left loaded: ``None``; ``idle_ttl`` and ``pin``, if
+        A ready entry is left loaded: ``None``; the request's ``idle_ttl`` and ``pin``, if
         given, apply to it at once (an idle one rests again from ``now``).
         Otherwise exactly as ``request`` (the same ticket, the same errors,
         the same single flight): the ticket is granted a lease when the load
@@ -349,8 +336,9 @@ class Core(Books):
         none, so hit ratios and the policies' request rates stay the
         requests'. The load itself counts as any load.
         """
+        priority, idle_ttl, pin = request.priority, request.idle_ttl, request.pin
         if not owner.closing:  # (a closing owner: ``request`` raises)
-            entry = owner.entries.get(key)
+            entry = owner.entries.get(request.key)
             if entry is not None and entry.state is State.RELEASING:
                 entry = entry.successor
             if entry is not None and entry in self.demoting:
@@ -366,16 +354,7 @@ class Core(Books):
         misses = self.misses
         self.prefetching = True
         try:
-            return self.request(
-                owner,
-                key,
-                need,
-                task,
-                cost=cost,
-                loading=loading,
-                priority=priority,
-                places=places,
-            )
+            return self.request(owner, request, task, loading=loading)
         finally:
             self.prefetching = False
             self.misses = misses  # (``_transitions.create`` counts a miss)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "Entry",
     "Owner",
     "Reason",
+    "Request",
     "Space",
     "State",
     "Ticket",
@@ -142,6 +143,74 @@ class Owner:
         self.ttl: float | None = None
         #: Whether its releaser can move a value between spaces (``Core.tiers``).
         self.moves = False
+
+
+class Request:
+    """One acquire or prefetch, as ``Cache`` checked and parsed it.
+
+    Built once, in ``Cache`` (``_acquire_slow``, ``prefetch``), or from a
+    process's message on the daemon's side (``_remote.wire.decode_request``),
+    and passed whole through the actor, the runner and the books; the
+    connected process sends it to the daemon (``wire.encode_request``). What
+    is not the request's own, but the circumstances of the call (the task,
+    the loads it runs in, what it leases elsewhere), is passed beside it.
+
+    ``need`` is the declared size per space (``None``: measured after the
+    load); with ``places`` it is the size in the first of them. ``load`` and
+    ``measure`` are the shell's: the books never call them. ``slots`` and
+    ``priority`` are ``acquire``'s ``concurrency`` and ``priority``;
+    ``idle_ttl`` and ``pin`` apply once the value is loaded.
+    """
+
+    __slots__ = (
+        "cost",
+        "idle_ttl",
+        "key",
+        "load",
+        "measure",
+        "need",
+        "pin",
+        "places",
+        "priority",
+        "slots",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        key: Hashable,
+        need: dict[str, int] | None = None,
+        *,
+        load: Callable[..., Any] | None = None,
+        measure: Callable[[Any], Any] | None = None,
+        cost: float | None = None,
+        timeout: float | None = None,
+        idle_ttl: float | None = None,
+        pin: bool = False,
+        slots: int | None = None,
+        priority: int | None = None,
+        places: tuple[str, ...] | None = None,
+    ) -> None:
+        self.key = key
+        self.need = need
+        self.load = load
+        self.measure = measure
+        self.cost = cost
+        self.timeout = timeout
+        self.idle_ttl = idle_ttl
+        self.pin = pin
+        self.slots = slots
+        self.priority = priority
+        self.places = places
+
+    def __repr__(self) -> str:
+        given = ", ".join(
+            f"{name}={getattr(self, name)!r}"
+            for name in ("need", "cost", "timeout", "idle_ttl", "slots", "priority", "places")
+            if getattr(self, name) is not None
+        )
+        pinned = ", pin=True" if self.pin else ""
+        return f"Request({self.key!r}{', ' if given else ''}{given}{pinned})"
 
 
 class Ticket:

@@ -9,10 +9,8 @@ where the request needs room, which ``_transitions.join`` weighs.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from . import _reach, _refusals, _transitions
-from ._model import Entry, Owner, State
+from ._model import Entry, Owner, Request, State
 from ._scheduler import schedule
 from ._state import Books
 from ._tiers import canonical
@@ -23,19 +21,15 @@ __all__ = ["join", "miss"]
 def miss(
     books: Books,
     owner: Owner,
-    key: Hashable,
-    need: dict[str, int] | None,
+    request: Request,
     task: object,
-    cost: float | None,
     loading: tuple[Entry, ...],
     urgent: bool,
     held: tuple[Entry, ...] | None,
-    slots: int | None,
-    priority: int | None,
-    places: tuple[str, ...] | None,
 ) -> tuple[Entry, list[Entry]]:
     """``Core.request`` for a key with no entry: check, then create it; return it and the
     entries ``task`` leases where it needs room (``_reach.leased_by``)."""
+    key, need, places = request.key, request.need, request.places
     unknown = need is None
     if need is None:
         remembered = books.sizes.get((owner.name, key))
@@ -61,13 +55,13 @@ def miss(
         need,
         unknown=unknown,
         urgent=urgent,
-        slots=slots,
-        priority=priority,
+        slots=request.slots,
+        priority=request.priority,
         places=places,
         asked=asked,
         asked_places=asked_places,
     )
-    entry.declared_cost = cost
+    entry.declared_cost = request.cost
     _transitions.count_request(books, entry)
     return entry, mine
 

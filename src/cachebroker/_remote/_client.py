@@ -31,7 +31,7 @@ import attrs
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
-from .._core import Entry, State
+from .._core import Entry, Request, State
 from .._errors import BrokerClosed, DeadlockError
 from .._shell._config import oom_error_types
 from .._shell._runner import Runner
@@ -614,20 +614,26 @@ class Link:
             for held in core.busy
             if held.leases and task in held.holders and held in self.ids
         ]
+        # The request as these books grant it: its size (``None``: measured after the
+        # load), its declared cost (finite: Cache.acquire checked it), and its
+        # priority, by which the shared broker evicts too: as it is when requested,
+        # and as later acquires change it (reported with its state: ``collect``).
+        request = Request(
+            entry.key,
+            None if unknown else dict(entry.need),
+            cost=entry.declared_cost,
+            priority=entry.priority,
+        )
         message = {
             "op": "acquire",
             "id": id,
             "cache": entry.owner.name,
             "key": _key_text(entry.key),
-            "need": None if unknown else dict(entry.need),
-            "cost": entry.declared_cost,  # (finite: Cache.acquire checked it)
+            **wire.encode_request(request),
             # A load of unknown size let past these books' gate (from inside a
             # loader, or by a task holding a lease) must pass the daemon's too.
             "urgent": unknown and entry is not core.unknown,
             "holding": holding,
-            # The shared broker evicts by it too: as it is when requested, and
-            # as later acquires change it (reported with its state: ``collect``).
-            "priority": entry.priority,
         }
         self.priorities[entry] = entry.priority
         self.admitting[id] = _Admission(message)

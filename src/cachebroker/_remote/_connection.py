@@ -16,7 +16,7 @@ import anyio
 import anyio.abc
 
 from .. import _log_events as ev
-from .._core import Entry, Reason, State, Ticket
+from .._core import Entry, Reason, Request, State, Ticket
 from .._errors import LeasesOutstanding, LoadFailed, ReleaseFailed
 from .._shell._actor import Block
 from .._shell._seam import Relay
@@ -303,10 +303,6 @@ class Connection:
         id = wire.field(message, "id", int)
         cache = wire.field(message, "cache", str)
         key = _Key(id, wire.field(message, "key", str))
-        need = wire.charge(message, "need")
-        cost = message.get("cost")
-        if cost is not None and (not isinstance(cost, (int, float)) or cost < 0):
-            raise ProtocolError(f"'acquire' message: 'cost' is {cost!r}")
         space = self.caches.get(cache)
         if space is None or space.block is None or id in self.mirrors:
             raise ProtocolError(f"'acquire' of #{id} in cache {cache!r}, which is not open")
@@ -314,24 +310,16 @@ class Connection:
         if not isinstance(holding, list) or not all(type(i) is int for i in holding):
             raise ProtocolError(f"'acquire' message: 'holding' is {holding!r}")
         held = tuple(mirror for mirror in map(self.mirrors.get, holding) if mirror is not None)
-        priority = message.get("priority", 0)
-        if type(priority) is not int:
-            raise ProtocolError(f"'acquire' message: 'priority' is {priority!r}")
-        mirror = self.mirrors[id] = _Mirror(id, key, space)
-        assert self.tg is not None
-        self.tg.start_soon(
-            self._acquire, mirror, cache, need, cost, bool(message.get("urgent")), held, priority
+        mirror = _Mirror(id, key, space)
+        request = wire.decode_request(
+            message, key, load=functools.partial(self._load, mirror), measure=_measured
         )
+        self.mirrors[id] = mirror
+        assert self.tg is not None
+        self.tg.start_soon(self._acquire, mirror, request, bool(message.get("urgent")), held)
 
     async def _acquire(
-        self,
-        mirror: _Mirror,
-        cache: str,
-        need: dict[str, int] | None,
-        cost: float | None,
-        urgent: bool,
-        holding: tuple[_Mirror, ...],
-        priority: int = 0,
+        self, mirror: _Mirror, request: Request, urgent: bool, holding: tuple[_Mirror, ...]
     ) -> None:
         block = mirror.space.block
         assert block is not None
@@ -350,16 +338,7 @@ class Connection:
             held = tuple(other.entry for other in holding if other.entry is not None)
             try:
                 entry, task = await self.runner.request(
-                    block.owner,
-                    mirror.key,
-                    functools.partial(self._load, mirror),
-                    need,
-                    _measured,
-                    cost,
-                    None,
-                    urgent=urgent,
-                    held=held,
-                    priority=priority,
+                    block.owner, request, urgent=urgent, held=held
                 )
             except Exception as exc:
                 loaded = block.owner.entries.get(mirror.key)

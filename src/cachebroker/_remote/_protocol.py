@@ -25,7 +25,7 @@ import os
 import reprlib
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import anyio.abc
@@ -33,6 +33,7 @@ from anyio.abc import ByteSendStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _errors
+from .._core import Request
 from .._errors import BrokerError
 
 __all__ = [
@@ -44,9 +45,11 @@ __all__ = [
     "check_depth",
     "decode",
     "decode_error",
+    "decode_request",
     "default_address",
     "encode",
     "encode_error",
+    "encode_request",
     "greet",
     "peer",
     "receive",
@@ -240,6 +243,33 @@ def charge(message: Mapping[str, Any], name: str) -> dict[str, int] | None:
     ):
         raise ProtocolError(f"{message.get('op')!r} message: {name!r} is {shown(value)}")
     return value
+
+
+def encode_request(request: Request) -> dict[str, Any]:
+    """The fields of an ``acquire`` message that carry ``request``: what the daemon's
+    books weigh of it (its size, ``None`` when measured after the load; the reload
+    cost it declared; its eviction priority)."""
+    return {"need": request.need, "cost": request.cost, "priority": request.priority}
+
+
+def decode_request(
+    message: Mapping[str, Any],
+    key: Hashable,
+    *,
+    load: Callable[..., Any],
+    measure: Callable[[Any], Any],
+) -> Request:
+    """The request an ``acquire`` message carries (``encode_request``), checked, as the
+    daemon's books take it: under ``key``, loaded by ``load`` and sized by ``measure``
+    (the process's report of its load)."""
+    need = charge(message, "need")
+    cost = message.get("cost")
+    if cost is not None and (type(cost) not in (int, float) or not 0 <= cost < float("inf")):
+        raise ProtocolError(f"'acquire' message: 'cost' is {shown(cost)}")
+    priority = message.get("priority", 0)
+    if type(priority) is not int:
+        raise ProtocolError(f"'acquire' message: 'priority' is {shown(priority)}")
+    return Request(key, need, load=load, measure=measure, cost=cost, priority=priority)
 
 
 #: The errors a daemon may refuse a request with (by class name).

@@ -24,7 +24,7 @@ from typing import Any, Protocol, cast
 import anyio
 import anyio.abc
 
-from .._core import Core, Entry, Owner
+from .._core import Core, Entry, Owner, Request
 from .._stats import EvictionReport
 from ._config import MoveFunction, ReleaseFunction
 
@@ -147,39 +147,14 @@ class Actor(Protocol):
         """A held lease was garbage-collected: end it soon, and warn (any thread)."""
 
     async def request(
-        self,
-        owner: Owner,
-        key: Hashable,
-        load: Callable[[], Any],
-        need: dict[str, int] | None,
-        measure: Callable[[Any], Any] | None,
-        cost: float | None,
-        timeout: float | None,
-        *,
-        slots: int | None = None,
-        priority: int | None = None,
-        places: tuple[str, ...] | None = None,
-        bound: bool = True,
+        self, owner: Owner, request: Request, *, bound: bool = True
     ) -> tuple[Entry, object]:
-        """Acquire ``key`` when it is not ready, or limited (a miss, a join, a slot wait):
-        the entry and its holder. ``places``: ``acquire(spaces=...)``; ``load`` then
-        takes the chosen space's name. ``bound``: as for ``Core.request``."""
+        """Acquire ``request.key`` when it is not ready, or limited (a miss, a join, a slot
+        wait): the entry and its holder. With ``request.places`` (``acquire(spaces=...)``)
+        its ``load`` takes the chosen space's name. ``bound``: as for ``Core.request``."""
 
-    async def prefetch(
-        self,
-        owner: Owner,
-        key: Hashable,
-        load: Callable[[], Any],
-        need: dict[str, int] | None,
-        measure: Callable[[Any], Any] | None,
-        cost: float | None,
-        timeout: float | None,
-        idle_ttl: float | None,
-        pin: bool,
-        priority: int | None = None,
-        places: tuple[str, ...] | None = None,
-    ) -> None:
-        """Have ``key`` loaded, holding no lease once it is (``Cache.prefetch``)."""
+    async def prefetch(self, owner: Owner, request: Request) -> None:
+        """Have ``request.key`` loaded, holding no lease once it is (``Cache.prefetch``)."""
 
     async def await_releases(self, entries: list[Entry]) -> EvictionReport:
         """Wait for the releases of ``entries`` to be acknowledged (or to fail)."""

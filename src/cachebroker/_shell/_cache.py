@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import anyio
 
-from .._core import Entry
+from .._core import Entry, Request
 from .._errors import BrokerClosed, InvalidArgument, InvalidKey
 from .._sizes import parse_bytes, parse_size
 from ._backend import wrong_thread
@@ -407,20 +407,19 @@ class Cache:
             )
         if callable(size):
             measure, size = size, None
-        need = self._need(key, size, measure, places, "prefetching")
-        await actor.prefetch(
-            self._owner,
+        request = Request(
             key,
-            load,
-            need,
-            measure,
-            cost,
-            timeout,
-            idle_ttl,
-            pin,
-            priority,
+            self._need(key, size, measure, places, "prefetching"),
+            load=load,
+            measure=measure,
+            cost=cost,
+            timeout=timeout,
+            idle_ttl=idle_ttl,
+            pin=pin,
+            priority=priority,
             places=places,
         )
+        await actor.prefetch(self._owner, request)
 
     async def invalidate(self, key: Hashable) -> bool:
         """Drop ``key``'s value so the next acquire loads afresh.
@@ -541,39 +540,35 @@ class Cache:
                 f"keys of cache {self.name!r} must be hashable, got {type(key).__name__} {key!r}"
             ) from None
 
-    async def _acquire_slow(
-        self,
-        key: Hashable,
-        load: Callable[[], Any],
-        size: SizeSpec,
-        timeout: float | None,
-        cost: float | None = None,
-        measure: Callable[[Any], Any] | None = None,
-        limits: tuple[int | None, int | None] | None = None,
-        places: tuple[str, ...] | None = None,
-        entered: bool = False,
-    ) -> tuple[Entry, object]:
-        """Acquire ``key`` when it is not ready (a miss, a join), or with limits: the
-        entry and its holder. ``entered``: by ``async with`` (``Lease.__await__``)."""
+    async def _acquire_slow(self, lease: Lease[Any], entered: bool) -> tuple[Entry, object]:
+        """Acquire ``lease.key`` when it is not ready (a miss, a join), or with limits: the
+        entry and its holder. ``entered``: by ``async with`` (``Lease.__await__``).
+
+        The request is built here, once, from what ``acquire`` checked; the
+        actor, the runner, the books and the wire take it whole.
+        """
         actor = self._actor
+        key = lease.key
         actor.refresh_trace()  # see Runner.__init__
         self._find(key)  # an unhashable key is an InvalidKey
         if self._block.closed or not actor.running:
             raise BrokerClosed(f"cache {self.name!r} is closed: cannot acquire {self.name}:{key!r}")
+        size, measure, places = lease._size, lease._measure, lease._places
         if callable(size):
             measure, size = size, None
-        need = self._need(key, size, measure, places, "acquiring")
-        slots, priority = (None, None) if limits is None else limits
-        return await actor.request(
-            self._owner,
+        slots, priority = (None, None) if lease._limits is None else lease._limits
+        idle_ttl, pin = (None, False) if lease._options is None else lease._options
+        request = Request(
             key,
-            load,
-            need,
-            measure,
-            cost,
-            timeout,
+            self._need(key, size, measure, places, "acquiring"),
+            load=lease._load,
+            measure=measure,
+            cost=lease._cost,
+            timeout=lease._timeout,
+            idle_ttl=idle_ttl,
+            pin=pin,
             slots=slots,
             priority=priority,
             places=places,
-            bound=entered,
         )
+        return await actor.request(self._owner, request, bound=entered)

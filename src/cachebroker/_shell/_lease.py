@@ -33,18 +33,7 @@ class _Source(Protocol):
     _entries: dict[Hashable, Entry]
     _owner: Owner
 
-    async def _acquire_slow(
-        self,
-        key: Hashable,
-        load: Callable[[], Any],
-        size: SizeSpec,
-        timeout: float | None,
-        cost: float | None = ...,
-        measure: Callable[[Any], Any] | None = ...,
-        limits: tuple[int | None, int | None] | None = ...,
-        places: tuple[str, ...] | None = ...,
-        entered: bool = ...,
-    ) -> tuple[Entry, object]: ...
+    async def _acquire_slow(self, lease: Lease[Any], entered: bool) -> tuple[Entry, object]: ...
 
 
 T_co = TypeVar("T_co", covariant=True)
@@ -95,6 +84,8 @@ class Lease(Generic[T_co]):
     _limits: tuple[int | None, int | None] | None = None
     #: The spaces the acquire may be placed in (``spaces=``; ``_Tuned``).
     _places: tuple[str, ...] | None = None
+    #: ``(idle_ttl, pin)`` for the entry once acquired, if either was given (``_Tuned``).
+    _options: tuple[float | None, bool] | None = None
 
     # No __init__: ``Cache.acquire`` fills the fields in (``Lease()`` costs less than a call
     # to __init__, and the hit path builds one lease per call).
@@ -153,17 +144,7 @@ class Lease(Generic[T_co]):
                 if actor.trace:
                     actor.log.debug(ev.HIT, cache=cache.name, key=self.key)
             else:
-                slow = cache._acquire_slow(
-                    self.key,
-                    self._load,
-                    self._size,
-                    self._timeout,
-                    self._cost,
-                    self._measure,
-                    self._limits,
-                    self._places,
-                    _entered,
-                )
+                slow = cache._acquire_slow(self, _entered)
                 entry, task = yield from slow.__await__()
         except BaseException:
             self._task = _PENDING  # nothing was acquired: it may be awaited again
@@ -265,10 +246,6 @@ class _Tuned(Lease[T_co]):
     ``concurrency`` or ``priority``."""
 
     __slots__ = ("_cost", "_limits", "_measure", "_options", "_places")
-
-    if TYPE_CHECKING:
-        #: ``(idle_ttl, pin)`` for the entry once acquired, if either was given.
-        _options: tuple[float | None, bool] | None
 
     def __await__(self, _entered: bool = False) -> Generator[Any, Any, Lease[T_co]]:
         if self._limits is not None:

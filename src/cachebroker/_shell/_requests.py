@@ -21,7 +21,7 @@ import anyio
 import anyio.lowlevel
 
 from .. import _log_events as ev
-from .._core import Entry, Owner, State, Ticket
+from .._core import Entry, Owner, Request, State, Ticket
 from .._errors import AcquireTimeout, DeadlockError
 from .._units import format_bytes
 from ._releases import Releases
@@ -52,39 +52,20 @@ class Requests:
     async def request(
         self,
         owner: Owner,
-        key: Hashable,
-        load: Callable[[], Any],
-        need: dict[str, int] | None,
-        measure: Callable[[Any], Any] | None,
-        cost: float | None,
-        timeout: float | None,
+        request: Request,
         *,
         urgent: bool = False,
         held: tuple[Entry, ...] | None = None,
-        slots: int | None = None,
-        priority: int | None = None,
-        places: tuple[str, ...] | None = None,
         bound: bool = True,
     ) -> tuple[Entry, object]:
         """``Runner.request``: the entry and the lease's holder."""
         steps = self._steps
         task = steps.current_task()
         core = steps.core
-        name = owner.name
+        name, key = owner.name, request.key
         self._before()
         ticket = core.request(
-            owner,
-            key,
-            need,
-            task,
-            cost=cost,
-            loading=LOADING.get(),
-            urgent=urgent,
-            held=held,
-            slots=slots,
-            priority=priority,
-            places=places,
-            bound=bound,
+            owner, request, task, loading=LOADING.get(), urgent=urgent, held=held, bound=bound
         )
         entry = ticket.entry
         if ticket.outcome is None and task in self._releases.releasing_tasks:
@@ -102,15 +83,22 @@ class Requests:
         if entry.state is State.READY:  # waits for a lease slot
             steps.log.debug(ev.WAIT_LEASE, cache=name, key=key, concurrency=entry.slots)
             steps.apply()
-            return await self._wait(ticket, timeout)
+            return await self._wait(ticket, request.timeout)
         if entry.shell is None:
-            entry.shell = Slot(load, measure, steps.clock(), placed=places is not None)
-            steps.log.debug(ev.MISS, cache=name, key=key, bytes=need)
+            entry.shell = self._slot(request)
+            steps.log.debug(ev.MISS, cache=name, key=key, bytes=request.need)
         if entry.state is State.WAITING:
             steps.log.debug(ev.WAIT, cache=name, key=key, bytes=entry.need)
             self._sweeper.waiting()
         steps.apply()
-        return await self._wait(ticket, timeout)
+        return await self._wait(ticket, request.timeout)
+
+    def _slot(self, request: Request) -> Slot:
+        """The shell's half of a new entry: its loader and measure, from ``request``."""
+        assert request.load is not None, "a request that may load has a loader"
+        return Slot(
+            request.load, request.measure, self._steps.clock(), placed=request.places is not None
+        )
 
     def _before(self) -> None:
         """Before a request's step: re-read the probes, end the leases dropped meanwhile."""
@@ -157,38 +145,14 @@ class Requests:
         """``Runner.settle``."""
         return await self._wait(ticket, None)
 
-    async def prefetch(
-        self,
-        owner: Owner,
-        key: Hashable,
-        load: Callable[[], Any],
-        need: dict[str, int] | None,
-        measure: Callable[[Any], Any] | None,
-        cost: float | None,
-        timeout: float | None,
-        idle_ttl: float | None,
-        pin: bool,
-        priority: int | None = None,
-        places: tuple[str, ...] | None = None,
-    ) -> None:
+    async def prefetch(self, owner: Owner, request: Request) -> None:
         """``Runner.prefetch``: as ``request``, from ``Core.prefetch``."""
         steps = self._steps
         task = steps.current_task()
         core = steps.core
+        key = request.key
         self._before()
-        ticket = core.prefetch(
-            owner,
-            key,
-            need,
-            task,
-            steps.clock(),
-            cost=cost,
-            idle_ttl=idle_ttl,
-            pin=pin,
-            loading=LOADING.get(),
-            priority=priority,
-            places=places,
-        )
+        ticket = core.prefetch(owner, request, task, steps.clock(), loading=LOADING.get())
         if ticket is None:  # loaded already
             steps.apply()
             await anyio.lowlevel.checkpoint()
@@ -203,14 +167,14 @@ class Requests:
                 [],
             )
         if entry.shell is None:
-            entry.shell = Slot(load, measure, steps.clock(), placed=places is not None)
+            entry.shell = self._slot(request)
         if entry.state is State.WAITING:
             steps.log.debug(ev.WAIT, cache=owner.name, key=key, bytes=entry.need)
             self._sweeper.waiting()
         steps.apply()
-        entry, holder = await self._wait(ticket, timeout, lease=False)
+        entry, holder = await self._wait(ticket, request.timeout, lease=False)
         # Loaded: the lease its end granted is given back in the same step.
-        core.configure(entry, idle_ttl=idle_ttl, pin=pin or None)
+        core.configure(entry, idle_ttl=request.idle_ttl, pin=request.pin or None)
         if holder is not None:
             core.lease_end(entry, holder, steps.clock())
         steps.apply()

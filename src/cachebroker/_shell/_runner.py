@@ -39,6 +39,7 @@ from .._core import (
     Owner,
     OwnerEmpty,
     Quarantined,
+    Request,
     Settled,
     StartLoad,
     StartMove,
@@ -434,42 +435,20 @@ class Runner:
     def request(
         self,
         owner: Owner,
-        key: Hashable,
-        load: Callable[[], Any],
-        need: dict[str, int] | None,
-        measure: Callable[[Any], Any] | None,
-        cost: float | None,
-        timeout: float | None,
+        request: Request,
         *,
         urgent: bool = False,
         held: tuple[Entry, ...] | None = None,
-        slots: int | None = None,
-        priority: int | None = None,
-        places: tuple[str, ...] | None = None,
         bound: bool = True,
     ) -> Coroutine[Any, Any, tuple[Entry, object]]:
-        """Acquire ``key`` when it is not ready, or limited (a miss, a join, a slot wait):
-        the entry and its holder (``Requests.request``).
+        """Acquire ``request.key`` when it is not ready, or limited (a miss, a join, a slot
+        wait): the entry and its holder (``Requests.request``).
 
-        ``Cache._acquire_slow`` checked the arguments and parsed ``need``;
+        ``Cache._acquire_slow`` checked the request and parsed its ``need``;
         ``urgent`` and ``held`` are for a request relayed from another process,
         ``bound`` says whether only this task can end the lease (``Core.request``).
         """
-        return self.requests.request(
-            owner,
-            key,
-            load,
-            need,
-            measure,
-            cost,
-            timeout,
-            urgent=urgent,
-            held=held,
-            slots=slots,
-            priority=priority,
-            places=places,
-            bound=bound,
-        )
+        return self.requests.request(owner, request, urgent=urgent, held=held, bound=bound)
 
     def adopt(
         self,
@@ -493,28 +472,13 @@ class Runner:
         """Wait for an adopted entry's load (``adopt``): the entry and the lease's holder."""
         return self.requests.settle(ticket)
 
-    def prefetch(
-        self,
-        owner: Owner,
-        key: Hashable,
-        load: Callable[[], Any],
-        need: dict[str, int] | None,
-        measure: Callable[[Any], Any] | None,
-        cost: float | None,
-        timeout: float | None,
-        idle_ttl: float | None,
-        pin: bool,
-        priority: int | None = None,
-        places: tuple[str, ...] | None = None,
-    ) -> Coroutine[Any, Any, None]:
-        """Have ``key`` loaded, holding no lease once it is (``Cache.prefetch``).
+    def prefetch(self, owner: Owner, request: Request) -> Coroutine[Any, Any, None]:
+        """Have ``request.key`` loaded, holding no lease once it is (``Cache.prefetch``).
 
         As ``request``, from ``Core.prefetch``: no request is counted, and the
         lease the load's end grants is ended at once.
         """
-        return self.requests.prefetch(
-            owner, key, load, need, measure, cost, timeout, idle_ttl, pin, priority, places
-        )
+        return self.requests.prefetch(owner, request)
 
     def await_releases(self, entries: list[Entry]) -> Coroutine[Any, Any, EvictionReport]:
         """Wait for the releases of ``entries`` to be acknowledged (or to fail)."""

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import anyio.lowlevel
 import attrs
 
-from .._core import Core, Entry, Owner, Ticket
+from .._core import Core, Entry, Owner, Request, Ticket
 from .._errors import ReleaseFailed
 from ._actor import Block
 from ._config import ReleaseFunction
@@ -225,18 +225,13 @@ class Relay(Protocol):
     async def request(
         self,
         owner: Owner,
-        key: Hashable,
-        load: Callable[[], Any],
-        need: dict[str, int] | None,
-        measure: Callable[[Any], Any] | None,
-        cost: float | None,
-        timeout: float | None,
+        request: Request,
         *,
         urgent: bool = False,
         held: tuple[Entry, ...] | None = None,
-        priority: int | None = None,
     ) -> tuple[Entry, object]:
-        """A process's request of ``key``: the entry and the lease's holder, once granted."""
+        """A process's request (``wire.decode_request``): the entry and the lease's holder,
+        once granted."""
 
     def adopt(
         self,

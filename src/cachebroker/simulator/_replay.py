@@ -51,6 +51,7 @@ from .._core import (
     State,
     Ticket,
 )
+from .._core import Request as Asked
 from .._errors import InvalidArgument
 from .._policies import Policy, make_policy
 from ._request import Request, check_fits, check_tiers, where
@@ -280,9 +281,8 @@ def replay(
             core.hit(entry, number)
             end(entry, number, request.hold_seconds)
         else:
-            ticket = core.request(
-                owner, request.key, dict(request.size), number, cost=request.load_seconds
-            )
+            asked = Asked(request.key, dict(request.size), cost=request.load_seconds)
+            ticket = core.request(owner, asked, number)
             entry = ticket.entry
             if ticket.outcome is True:
                 end(entry, number, request.hold_seconds)
