@@ -8,6 +8,7 @@ and by ``cachebroker demo``, each in a fresh interpreter.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pkgutil
@@ -239,3 +240,49 @@ def test_the_books_have_at_most_50_methods() -> None:
         if not (name.startswith("__") and name.endswith("__"))
     }
     assert len(methods) <= 50, sorted(methods)
+
+
+#: A function's code (its docstring aside) longer than this says why, beside it.
+LONG_FUNCTION = 80
+
+
+def long_functions(package: Path) -> dict[str, int]:
+    """The functions of ``package`` whose code is over ``LONG_FUNCTION`` lines with no
+    ``# long: <why>`` comment just above their ``def`` (or their decorators)."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                length -= (first.end_lineno or first.lineno) - first.lineno + 1
+            if length <= LONG_FUNCTION:
+                continue
+            above = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 2
+            comments = []
+            while above >= 0 and lines[above].strip().startswith("#"):
+                comments.append(lines[above].strip())
+                above -= 1
+            if not any(comment.startswith("# long: ") for comment in comments):
+                found[f"{path.relative_to(package)}:{node.lineno} {node.name}"] = length
+    return found
+
+
+def test_no_function_is_over_80_lines_without_a_reason_beside_it() -> None:
+    assert long_functions(PACKAGE) == {}
+
+
+def test_the_length_check_finds_a_long_function_and_reads_its_reason(tmp_path: Path) -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(LONG_FUNCTION - 1))  # (+ the def line)
+    text = (
+        f'def short():\n    """Its docstring is not code."""\n{body}\n\n'
+        f"def long():\n    y = 0\n{body}\n\n"
+        f"# long: one table, one step.\ndef excused():\n    y = 0\n{body}"
+    )
+    (tmp_path / "m.py").write_text(text)
+    line = text.splitlines().index("def long():") + 1
+    assert long_functions(tmp_path) == {f"m.py:{line} long": LONG_FUNCTION + 1}

@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Mapping
 from fractions import Fraction
 
-from ._core._tiers import circle
+from ._core._spaces import circle
 from ._errors import InvalidArgument
 from ._units import DEFAULT_SPACE, QUANTITY, UNITS
 

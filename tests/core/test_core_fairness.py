@@ -488,7 +488,7 @@ class FairnessMachine(RuleBasedStateMachine):
         self.h.core.invalidate(self.h.owner, key)
         self.h.drain()
 
-    @precondition(lambda self: "n" in self.h.core.canon_names)
+    @precondition(lambda self: "n" in self.h.core.canon.names)
     @rule()
     def learn_an_alias(self) -> None:
         """n turns out to be m: pinned, ranked and overdue bytes move with the entries."""

@@ -112,7 +112,7 @@ class InFlightMachine(RuleBasedStateMachine):
         ticket = data.draw(st.sampled_from([t for t in self.tickets if t.outcome is True]))
         self.h.core.configure(ticket.entry, idle_ttl=ttl, pin=pin)
 
-    @precondition(lambda self: len(self.h.core.canon_names) == 2)
+    @precondition(lambda self: len(self.h.core.canon.names) == 2)
     @rule()
     def merge_spaces(self) -> None:
         """The two spaces turn out to be one memory, with work in flight."""

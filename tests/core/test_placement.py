@@ -570,7 +570,7 @@ class PlacementMachine(RuleBasedStateMachine):
         self.h.core.invalidate(self.h.owner, key)
         self.h.drain()
 
-    @precondition(lambda self: "gpu1" in self.h.core.canon_names and not self.h.core.tiers)
+    @precondition(lambda self: "gpu1" in self.h.core.canon.names and not self.h.core.tiers)
     @rule()
     def learn_an_alias(self) -> None:
         """gpu1 turns out to be gpu0, with placed requests waiting and loading."""

@@ -67,7 +67,7 @@ def test_evidence_for_an_alias_that_would_close_a_tier_circle_merges_nothing() -
     assert [(r.spaces, r.circle) for r in learned.refused] == [
         (("g0", "disk"), ("g0", "ram", "g0"))
     ]
-    assert h.core.aliases() == [] and h.core.tiers == CHAIN and not h.core.alias_evidence
+    assert h.core.aliases() == [] and h.core.tiers == CHAIN and not h.core.canon.evidence
     # The tiers still work: a value goes down the chain and comes back up.
     load(h, "a", {"g0": 60})
     load(h, "b", {"g0": 60})

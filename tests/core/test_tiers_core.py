@@ -524,13 +524,18 @@ class TiersMachine(RuleBasedStateMachine):
                 continue
             assert entry.state in (State.READY, State.DEMOTED), entry
             assert entry.idle_seq or entry.pinned or entry in core.settling, entry
-        for name in core.canon_names:
+        for name in core.canon.names:
             space = core.spaces[name]
             held = sum(e.charge.get(name, 0) for e in core.entries())
             assert space.used == held, (name, space.used, held)
             assert space.releasing == 0, (name, space.releasing)
             settling = sum(e.charge.get(name, 0) for e in core.settling)
-            pinned = sum(e.charge.get(name, 0) for e in core.entries() if e.pinned)
+            # (A pinned entry whose release failed is quarantined: counted there.)
+            pinned = sum(
+                e.charge.get(name, 0)
+                for e in core.entries()
+                if e.pinned and e.state is not State.QUARANTINED
+            )
             assert space.idle_bytes + settling + pinned == space.used - space.quarantined, name
 
     def _quiesce(self) -> None:
@@ -569,7 +574,7 @@ class TiersMachine(RuleBasedStateMachine):
         self.steps += 1
         assert not h.problems, h.problems
         core.check()
-        for name in core.canon_names:
+        for name in core.canon.names:
             space = core.spaces[name]
             if not self.grew:
                 assert space.used <= space.capacity, (name, space.used, space.capacity)
@@ -627,7 +632,7 @@ class TiersMachine(RuleBasedStateMachine):
         self._quiesce()
         core.check()
         assert not list(core.entries()), list(core.entries())
-        for name in core.canon_names:
+        for name in core.canon.names:
             space = core.spaces[name]
             books = (space.used, space.releasing, space.idle_bytes, space.quarantined)
             assert books == (0, 0, 0, 0), (name, books)

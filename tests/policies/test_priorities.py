@@ -796,7 +796,7 @@ class LimitsMachine(RuleBasedStateMachine):
             self.h.drain()
         self._collect()
 
-    @precondition(lambda self: self.h is not None and "gpu" in self.h.core.canon_names)
+    @precondition(lambda self: self.h is not None and "gpu" in self.h.core.canon.names)
     @rule()
     def merge(self) -> None:
         assert self.h is not None

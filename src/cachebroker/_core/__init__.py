@@ -13,6 +13,10 @@ Modules, in reading order:
 
 * ``_model``: the data: ``Space``, ``Owner``, ``Entry``, ``Ticket``, the
   ``State`` of an entry and the ``Reason`` of a release, and the constants;
+* ``_waiting`` and ``_spaces``: the owners of the books' lines of waiters
+  (``Queue``, ``Gate``) and of how spaces relate (``Canon``, ``Tiers``), each
+  with its own ``check``; ``_state``: ``Books``, all the books' state;
+* ``_transitions``: every change of an entry's state, one function each;
 * ``_effects``: the work a step leaves for the shell (``StartLoad``,
   ``CancelLoad``, ``StartRelease``, ``StartMove``, ``Settled``, ``Quarantined``,
   ``OwnerEmpty``; ``Effect`` is any of them);

@@ -19,8 +19,9 @@ from .._errors import InvalidArgument
 from . import _transitions
 from ._model import Entry, State
 from ._scheduler import schedule
+from ._spaces import circle, merged
 from ._state import Books
-from ._tiers import circle, freed, left_home, part, reserved
+from ._tiers import freed, left_home, part, reserved
 
 __all__ = [
     "Learned",
@@ -70,10 +71,10 @@ def note_alias_evidence(
             if a == b:
                 continue
             pair = frozenset((a, b))
-            books.alias_evidence[pair] = books.alias_evidence.get(pair, 0) + 1
-            if books.alias_evidence[pair] < threshold:
+            books.canon.evidence[pair] = books.canon.evidence.get(pair, 0) + 1
+            if books.canon.evidence[pair] < threshold:
                 continue
-            del books.alias_evidence[pair]
+            del books.canon.evidence[pair]
             found = merged_circle(books, b, a)
             if found is not None:
                 learned.refused.append(Refused((b, a), found))
@@ -92,13 +93,7 @@ def merged_circle(books: Books, keep: str, other: str) -> tuple[str, ...] | None
     """
     canon = books.canon
     keep, other = canon.get(keep, keep), canon.get(other, other)
-    return None if keep == other else circle(_merged_tiers(books.tiers, keep, other))
-
-
-def _merged_tiers(tiers: Mapping[str, str], keep: str, other: str) -> dict[str, str]:
-    """``tiers`` (by canonical names) once ``other`` is merged into ``keep``."""
-    renamed = ((keep if u == other else u, keep if v == other else v) for u, v in tiers.items())
-    return {upper: lower for upper, lower in renamed if upper != lower}
+    return None if keep == other else circle(merged(books.tiers, keep, other))
 
 
 def merge_spaces(books: Books, keep: str, other: str) -> None:
@@ -154,38 +149,14 @@ def merge_spaces(books: Books, keep: str, other: str) -> None:
     moving = [e for e in touched if e.state is State.MOVING]
     _move_books(books, moving, -1)
     for entry in touched:
-        same = entry.charge is entry.need
-        entry.need = _move(entry.need, other, keep)
-        _transitions.set_charge(
-            books, entry, entry.need if same else _move(entry.charge, other, keep)
-        )
-        if entry.target is not None:
-            entry.target = _move(entry.target, other, keep)
-        if entry.home is not None:
-            entry.home = _move(entry.home, other, keep)
-        if entry.places is not None:
-            entry.places = _rename(entry.places, other, keep)
+        _rename_entry(books, entry, other, keep)
     for entry in entries:  # (the places an acquire asked for: not on the books)
         if entry.asked_places is not None and other in entry.asked_places:
             entry.asked_places = _rename(entry.asked_places, other, keep)
-    kept.budget = max(kept.budget, gone.budget)
-    kept.capacity = max(kept.capacity, gone.capacity)
-    kept.limit = max(kept.limit, gone.limit)
-    kept.used += gone.used
-    kept.releasing += gone.releasing
-    kept.idle_bytes += gone.idle_bytes
-    kept.quarantined += gone.quarantined
-    kept.overdue += gone.overdue
-    # (``pinned`` and ``ranked`` moved with each entry's charge: ``_model.sync``.)
-    assert not gone.pinned and not gone.ranked, (gone.pinned, gone.ranked)
-    for name, target in list(canon.items()):
-        if target == other:
-            canon[name] = keep
-    canon[other] = keep
+    kept.absorb(gone)
+    canon.merge(keep, other)
     books.spaces[other] = kept
-    # A tier between the two is one memory now: no move; others follow the merge.
-    books.tiers = _merged_tiers(books.tiers, keep, other)
-    books.canon_names.remove(other)
+    books.tiers.merge(keep, other)  # (a tier between the two is one memory now: no move)
     if other in books.overdrawn:
         books.overdrawn.discard(other)
     if kept.used > kept.capacity:
@@ -199,6 +170,20 @@ def merge_spaces(books: Books, keep: str, other: str) -> None:
         books.policy.idle(entry)
     _no_move(books, [e for e in moving if e in books.demoting])
     schedule(books)
+
+
+def _rename_entry(books: Books, entry: Entry, other: str, keep: str) -> None:
+    """Charge ``entry`` (its need, charge, target, home and places) in ``keep`` for
+    ``other``."""
+    same = entry.charge is entry.need
+    entry.need = _move(entry.need, other, keep)
+    _transitions.set_charge(books, entry, entry.need if same else _move(entry.charge, other, keep))
+    if entry.target is not None:
+        entry.target = _move(entry.target, other, keep)
+    if entry.home is not None:
+        entry.home = _move(entry.home, other, keep)
+    if entry.places is not None:
+        entry.places = _rename(entry.places, other, keep)
 
 
 def _at_home(books: Books, touched: list[Entry]) -> None:

@@ -595,7 +595,7 @@ class Core(Books):
                 self.settling[entry] = True
             if self.seam is not None:
                 self.seam.ended(entry)
-        elif self.tick >= self.fair_at:  # Still leased, but a waiter has waited long enough.
+        elif self.tick >= self.queue.fair_at:  # Still leased, but a waiter has waited long enough.
             schedule(self)
 
     # ---------------------------------------------------------------- releases
@@ -609,7 +609,7 @@ class Core(Books):
         """
         _transitions.settle(self)
         own = list(entry.charge)
-        others = [name for name in self.canon_names if name not in own]
+        others = [name for name in self.canon.names if name not in own]
         victims: list[Entry] = []
         for spaces in (own, others):
             # All the spaces at once, then (for a policy that covers a

@@ -108,6 +108,22 @@ class Space:
         self.pinned = 0
         self.ranked: dict[int, int] = {}
 
+    def absorb(self, other: Space) -> None:
+        """Take ``other``'s books: the two are one memory now (``_aliases.merge_spaces``).
+
+        The budget is the larger; the byte counts add up, except ``pinned`` and
+        ``ranked``, which move with each entry's charge (``sync``).
+        """
+        assert not other.pinned and not other.ranked, (other.pinned, other.ranked)
+        self.budget = max(self.budget, other.budget)
+        self.capacity = max(self.capacity, other.capacity)
+        self.limit = max(self.limit, other.limit)
+        self.used += other.used
+        self.releasing += other.releasing
+        self.idle_bytes += other.idle_bytes
+        self.quarantined += other.quarantined
+        self.overdue += other.overdue
+
     def fits(self, amount: int) -> bool:
         return self.used + amount <= self.capacity
 
@@ -293,6 +309,7 @@ class Entry:
         "weights",
     )
 
+    # long: one line per field of an entry, each with what it holds and when.
     def __init__(self, owner: Owner, key: Hashable, need: dict[str, int]) -> None:
         self.owner = owner
         #: The name of the cache that owns this entry.

@@ -62,8 +62,8 @@ SHOWN = 3
 
 def check(books: Books) -> None:
     """Recount what ``sync`` and ``Overdue`` keep, from the entries (``Core.check``)."""
-    pinned = dict.fromkeys(books.canon_names, 0)
-    ranked: dict[str, dict[int, int]] = {name: {} for name in books.canon_names}
+    pinned = dict.fromkeys(books.canon.names, 0)
+    ranked: dict[str, dict[int, int]] = {name: {} for name in books.canon.names}
     for entry in books.entries():
         counted = entry.state is State.READY and entry.doomed is None and bool(entry.weights)
         expected = (entry.pinned, entry.priority, entry.weights) if counted else None
@@ -74,11 +74,11 @@ def check(books: Books) -> None:
                     pinned[name] += amount
                 elif amount:
                     ranked[name][entry.priority] = ranked[name].get(entry.priority, 0) + amount
-    for name in books.canon_names:
+    for name in books.canon.names:
         space = books.spaces[name]
         assert space.pinned == pinned[name], (name, space.pinned, pinned[name])
         assert space.ranked == ranked[name], (name, space.ranked, ranked[name])
-    books.overdue.check(books.quarantined, {n: books.spaces[n] for n in books.canon_names})
+    books.overdue.check(books.quarantined, {n: books.spaces[n] for n in books.canon.names})
 
 
 def _own(books: Books, entry: Entry) -> list[Entry]:

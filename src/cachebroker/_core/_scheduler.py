@@ -19,7 +19,6 @@ import math
 from collections.abc import Mapping
 
 from . import _reach, _refusals, _transitions
-from ._effects import Settled
 from ._model import Entry, Reason, State
 from ._moves import evict_one, grant_demotions
 from ._reach import out_of_reach
@@ -29,6 +28,9 @@ from ._tiers import beyond, reserved
 __all__ = ["drain", "evict", "refuse", "refuse_self_waits", "repay", "schedule"]
 
 
+# long: one pass decides every grant, eviction, block and refusal (as httpcore's
+# pool assigns in one step); its per-space walk runs for each waiter on every
+# pass, so its parts are inlined rather than calls (the contention benchmark).
 def schedule(books: Books) -> None:
     """Grant queued requests that fit and evict for those that can be covered.
 
@@ -55,18 +57,18 @@ def schedule(books: Books) -> None:
     """
     if books.lost_room:
         books.lost_room = False
-        if books.holding_waiters:
+        if books.queue.holding:
             refuse_self_waits(books)
     _transitions.settle(books)
     if books.overdrawn:
         repay(books)
     if books.demoting:
         grant_demotions(books)
-    books.fair_at = math.inf
+    books.queue.fair_at = math.inf
     if not books.queue:
         return
     spaces = books.spaces
-    every_space = len(books.canon_names)
+    every_space = len(books.canon.names)
     promised: dict[str, int] = {}  # to earlier waiters: granted in this pass, or covered
     unfinished: set[str] = set()  # spaces where an earlier waiter is not granted yet
     for demoted in books.demoting:  # (decided before anyone queued for their room)
@@ -80,7 +82,7 @@ def schedule(books: Books) -> None:
     refused: list[Entry] = []
     uniform = books.priorities is None  # every entry of one priority
     for entry in books.queue:  # Grants are applied after the walk: no copy of the queue.
-        if len(blocked) == every_space and not books.holding_waiters and uniform:
+        if len(blocked) == every_space and not books.queue.holding and uniform:
             break  # Nobody further back may be granted or evicted for.
         priority = entry.priority
         if entry.places is not None:
@@ -258,17 +260,8 @@ def refuse_self_waits(books: Books) -> None:
                 )
                 if not error:
                     break
-            if not error:
-                continue
-            ticket.outcome = error
-            entry.joiners.remove(ticket)
-            entry.holding -= 1
-            if not entry.holding:
-                books.holding_waiters -= 1
-            if entry.joiners:
-                books.effects.append(Settled(entry))  # wakes its requester
-            else:
-                _transitions.fail_waiting(books, entry, error)
+            if error:
+                _transitions.refuse(books, ticket, error)
 
 
 def drain(books: Books, waiter: Entry, shortfall: Mapping[str, int]) -> None:
@@ -286,7 +279,7 @@ def drain(books: Books, waiter: Entry, shortfall: Mapping[str, int]) -> None:
     """
     due = waiter.queued_tick + books.fair_requests
     if books.tick < due:
-        books.fair_at = min(books.fair_at, due)  # checked when a lease ends
+        books.queue.fair_at = min(books.queue.fair_at, due)  # checked when a lease ends
         return
     for name, short in shortfall.items():
         coming = books.spaces[name].idle_bytes

@@ -1,8 +1,9 @@
 """``Books``: what the books of one broker hold.
 
-The state of the books: the spaces and owners, the waiting queue, idle
-candidates and their expiry, the gate for loads of unknown size, tiers,
-aliases, quarantine, the per-key memories and the counters. Every change of
+The state of the books: the spaces and owners, the waiting queue and the
+gate for loads of unknown size (``_waiting``: owners with their own
+``check``), idle candidates and their expiry, tiers, aliases, quarantine
+(``Overdue``), the per-key memories and the counters. Every change of
 an entry's state is a function of ``_transitions``; the modules that decide
 (``_scheduler``, ``_moves``, ``_aliases``, ``_reach``, ``_refusals``) read
 these books and change them through ``_transitions``; ``Core`` (``_books``)
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
@@ -25,6 +25,8 @@ from ._effects import Effect
 from ._model import FAIR_REQUESTS, REMEMBERED_SIZES, Entry, Owner, Reason, Space
 from ._overdue import Overdue
 from ._seam import Seam
+from ._spaces import Canon, Tiers
+from ._waiting import Gate, Queue
 
 __all__ = ["Books", "keep"]
 
@@ -95,10 +97,8 @@ class Books:
     # for the test build, which wraps steps per instance (``_invariants``).
     __slots__ = (
         "__dict__",
-        "alias_evidence",
         "busy",
         "canon",
-        "canon_names",
         "closed",
         "counts_loads",
         "demoting",
@@ -106,10 +106,8 @@ class Books:
         "effects",
         "evictions",
         "expiry",
-        "fair_at",
         "fair_requests",
         "gate",
-        "holding_waiters",
         "idle_count",
         "idle_ttl",
         "largest",
@@ -144,12 +142,14 @@ class Books:
         "sizes",
         "spaces",
         "tick",
-        "tier_names",
         "tiers",
         "unknown",
         "unsized",
     )
 
+    # long: one line per field of the books, each with what it holds: the one list
+    # of their state (the owners with invariants of their own are in ``_waiting``,
+    # ``_spaces`` and ``_overdue``).
     def __init__(
         self,
         budget: Mapping[str, int],
@@ -163,16 +163,13 @@ class Books:
         self.spaces = {
             name: Space(name, amount, bounded=self.retain) for name, amount in budget.items()
         }
-        #: Learned (or given) aliases: a space name -> the name it is merged into.
-        self.canon: dict[str, str] = {}
-        self.canon_names = list(self.spaces)
-        self.alias_evidence: dict[frozenset[str], int] = {}
+        #: Learned (or given) aliases: a space name -> the name it is merged into,
+        #: the canonical names and the evidence toward merges (``_spaces``).
+        self.canon = Canon(self.spaces)
         #: Each space's lower tier: where its idle entries may be moved
-        #: instead of released (``_moves``), when their owner can move them.
-        self.tiers: dict[str, str] = dict(tiers or {})
-        #: The tiers as given, by the names given (merges rewrite ``tiers``):
-        #: the names an owner is told its values move down to (``_tiers.owner_space``).
-        self.tier_names: dict[str, str] = dict(self.tiers)
+        #: instead of released (``_moves``), when their owner can move them;
+        #: and the tiers as given (``_spaces``).
+        self.tiers = Tiers(tiers or {})
         #: Demotions decided and waiting for their room in the lower tier, in order.
         self.demoting: dict[Entry, None] = {}
         self.demotions = 0
@@ -194,7 +191,8 @@ class Books:
         self.tick = 0
         self.idle_ttl = idle_ttl
         self.owners: dict[str, Owner] = {}
-        self.queue: dict[Entry, None] = {}
+        #: Entries waiting for space, in arrival order (``_waiting``).
+        self.queue = Queue()
         #: Entries with a lease, and settling ones (below): deadlock detection
         #: looks here for the leases of a task.
         self.busy: dict[Entry, None] = {}
@@ -245,13 +243,7 @@ class Books:
         #: Set during a ``prefetch`` step: the request it makes is not counted.
         self.prefetching = False
         #: Loads of unknown size waiting for their turn, and the one whose turn it is.
-        self.gate: dict[Entry, None] = {}
-        self.unknown: Entry | None = None
-        #: Queued entries with ``holding`` tickets: they may pass blocked spaces.
-        self.holding_waiters = 0
-        #: The request clock at which a blocked waiter becomes due for
-        #: ``_scheduler.drain``.
-        self.fair_at = math.inf
+        self.gate = Gate()
         #: Requests served after a waiter blocked by leased entries before they
         #: are drained for it (``_scheduler.drain``).
         self.fair_requests = FAIR_REQUESTS

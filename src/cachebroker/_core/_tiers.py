@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 __all__ = [
     "beyond",
     "canonical",
-    "circle",
     "destination",
     "freed",
     "left_home",
@@ -42,25 +41,6 @@ def canonical(canon: Mapping[str, str], charge: dict[str, int]) -> dict[str, int
         name = canon.get(name, name)
         merged[name] = merged.get(name, 0) + amount
     return merged
-
-
-def circle(tiers: Mapping[str, str]) -> tuple[str, ...] | None:
-    """A circle that ``tiers`` go round in (``("a", "b", "a")``), or ``None``: a chain.
-
-    A tier map must be a chain: a value evicted down a circle would come back
-    to where it was, and an eviction that makes room below would recurse for
-    ever. ``Broker(tiers=...)`` refuses one given directly, and a merge of two
-    spaces (``_aliases``) refuses to make one.
-    """
-    for start in tiers:
-        seen = [start]
-        below = tiers.get(start)
-        while below is not None:
-            if below in seen:
-                return (*seen[seen.index(below) :], below)
-            seen.append(below)
-            below = tiers.get(below)
-    return None
 
 
 def reserved(entry: Entry) -> dict[str, int]:
@@ -98,7 +78,7 @@ def owner_space(books: Books, entry: Entry, space: str) -> str:
     for name in entry.asked:
         if canon.get(name, name) == space:
             return name
-    given = books.tier_names
+    given = books.tiers.given
     for name in entry.asked:
         below = given.get(name)
         for _ in given:  # (a chain: it ends within this many steps)

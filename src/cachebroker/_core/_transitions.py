@@ -21,7 +21,7 @@ The life of an entry, by function:
   ``release_demoting``, ``cancel_demotion``; back up: ``queue_promotion``,
   ``come_home``;
 - failed or gone: ``fail_joiners``, ``fail_waiting``, ``drop_waiting``,
-  ``dequeue``, ``withdraw``, ``detach``, ``discharge``, ``gone``, ``hand_over``,
+  ``dequeue``, ``withdraw``, ``refuse``, ``detach``, ``discharge``, ``gone``, ``hand_over``,
   ``check_empty`` (its owner is closing and has nothing left);
 - quarantined: ``release_missed``, ``quarantine``, ``strand``,
   ``unquarantine``, ``unorphan``.
@@ -203,8 +203,8 @@ def withdraw(books: Books, ticket: Ticket) -> bool:
     entry.joiners.remove(ticket)
     if ticket.holds:
         entry.holding -= 1
-        if not entry.holding and entry in books.queue:
-            books.holding_waiters -= 1
+        if not entry.holding:
+            books.queue.released(entry)
     if entry.joiners:
         return False
     if entry.state is State.WAITING:
@@ -235,7 +235,7 @@ def join(
 ) -> Ticket:
     """A request of ``task`` waits for ``entry``'s load or move: its ticket joins the entry.
 
-    The ticket *holds* (it may pass blocked waiters, ``Books.holding_waiters``)
+    The ticket *holds* (it may pass blocked waiters, ``Queue.holding``)
     when its task leases, or its loaders reserve, room where ``entry`` needs it
     (``mine``, ``loading``).
     """
@@ -251,9 +251,26 @@ def join(
     ):
         ticket.holds = True
         entry.holding += 1
-        if entry.holding == 1 and not entry.gated:
-            books.holding_waiters += 1
+        if entry.holding == 1:
+            books.queue.held(entry)
     return ticket
+
+
+def refuse(books: Books, ticket: Ticket, error: BaseException) -> None:
+    """Refuse a queued entry's pending ``ticket`` with ``error`` (its task would wait on
+    itself): its requester wakes to raise it, and the last one leaving fails the
+    entry's wait (``fail_waiting``)."""
+    entry = ticket.entry
+    ticket.outcome = error
+    entry.joiners.remove(ticket)
+    if ticket.holds:
+        entry.holding -= 1
+        if not entry.holding:
+            books.queue.released(entry)
+    if entry.joiners:
+        books.effects.append(Settled(entry))  # wakes its requester
+    else:
+        fail_waiting(books, entry, error)
 
 
 def create(
@@ -296,18 +313,16 @@ def create(
     entry.unknown = True
     if urgent:
         enqueue(books, entry)
-    elif books.unknown is None:
-        books.unknown = entry
+    elif books.gate.turn is None:
+        books.gate.turn = entry
         pass_gate(books, entry)
     else:
-        entry.gated = True
-        books.gate[entry] = None
+        books.gate.wait(entry)
     return entry
 
 
 def enqueue(books: Books, entry: Entry) -> None:
-    entry.queued_tick = books.tick
-    books.queue[entry] = None
+    books.queue.add(entry, books.tick)
     admit_weightless(books, entry)
 
 
@@ -329,9 +344,7 @@ def hurry(books: Books, entry: Entry) -> None:
     that lease, so waiting for the gate could be a deadlock. Its
     measurement corrects the books (and evicts) as soon as it is loaded.
     """
-    del books.gate[entry]
-    _shrink_if_empty(books.gate)
-    entry.gated = False
+    books.gate.leave(entry)
     enqueue(books, entry)
 
 
@@ -347,22 +360,14 @@ def pass_gate(books: Books, entry: Entry) -> None:
             for name, amount in estimate.items()
             if min(amount, books.spaces[name].attainable) > 0
         }
-    if entry.holding:
-        books.holding_waiters += 1
     enqueue(books, entry)
 
 
 def open_gate(books: Books, entry: Entry) -> bool:
     """``entry``'s load of unknown size is over: let the next one through, if any."""
-    if entry is not books.unknown:
+    following = books.gate.next(entry)
+    if following is None:
         return False
-    books.unknown = None
-    if not books.gate:
-        return False
-    following = next(iter(books.gate))
-    del books.gate[following]
-    _shrink_if_empty(books.gate)
-    books.unknown = following
     pass_gate(books, following)
     return True
 
@@ -607,10 +612,7 @@ def doom(books: Books, entry: Entry, reason: Reason) -> None:
 
 def grant(books: Books, entry: Entry) -> None:
     """Reserve a queued entry's bytes and start its load."""
-    del books.queue[entry]
-    _shrink_if_empty(books.queue)
-    if entry.holding:
-        books.holding_waiters -= 1
+    books.queue.take(entry)
     if entry.state is State.DEMOTED:
         start_promotion(books, entry)
         return
@@ -644,22 +646,15 @@ def fail_waiting(books: Books, entry: Entry, error: BaseException) -> None:
 
 def dequeue(books: Books, entry: Entry) -> None:
     """Take a demoted entry's promotion out of the queue (its requesters are gone)."""
-    del books.queue[entry]
-    _shrink_if_empty(books.queue)
-    if entry.holding:
-        books.holding_waiters -= 1
-        entry.holding = 0
+    books.queue.take(entry)
+    entry.holding = 0
 
 
 def drop_waiting(books: Books, entry: Entry) -> None:
     if entry.gated:
-        del books.gate[entry]
-        _shrink_if_empty(books.gate)
+        books.gate.leave(entry)
     else:
-        del books.queue[entry]
-        _shrink_if_empty(books.queue)
-        if entry.holding:
-            books.holding_waiters -= 1
+        books.queue.take(entry)
     open_gate(books, entry)
     if entry.after is not None:
         entry.after.successor = None

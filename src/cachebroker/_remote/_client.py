@@ -632,7 +632,7 @@ class Link:
             **wire.encode_request(request),
             # A load of unknown size let past these books' gate (from inside a
             # loader, or by a task holding a lease) must pass the daemon's too.
-            "urgent": unknown and entry is not core.unknown,
+            "urgent": unknown and entry is not core.gate.turn,
             "holding": holding,
         }
         self.priorities[entry] = entry.priority

@@ -326,6 +326,8 @@ def _demotable(size: Mapping[str, int], tiers: Mapping[str, str]) -> str | None:
     return tiered[0] if len(tiered) == 1 else None
 
 
+# long: the public entry point's checks, the MILP or LP choice and the bracket
+# it reports, in the order the docstring gives them; the model is built apart.
 def offline_bound(
     requests: Sequence[Request],
     budget: Mapping[str, int],
@@ -497,6 +499,8 @@ def greedy_schedule(
     return saved
 
 
+# long: the two greedy stages (keep on top, then park below) share the room
+# timelines they fill; apart, each would rebuild them.
 def _greedy_tiered(
     requests: Sequence[Request],
     budget: Mapping[str, int],

@@ -164,71 +164,136 @@ def replay(
     """
     if timing not in TIMINGS:
         raise InvalidArgument(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
-    timed = timing == "replay"
     check_fits(requests, budget)
     lower = check_tiers(tiers, budget, requests)
-    moves = bool(lower)
-    name = policy if isinstance(policy, str) else type(policy).__name__
     core = Core(budget, make_policy(policy), idle_ttl=idle_ttl, tiers=lower)
-    owners: dict[str, Owner] = {}
-    # Completions: (time, order, subject); an Entry is a load that finishes,
-    # an (entry, task) pair a lease that ends, a _Move a move that ends.
-    pending: list[tuple[float, int, Any]] = []
-    order = itertools.count()
-    push = heapq.heappush
-    pop = heapq.heappop
-    holds: dict[Ticket, float] = {}
-    waits = [0.0] * len(requests)
-    arrival: dict[Ticket, tuple[int, float]] = {}
-    loaded = 0
-    all_loads = 0.0
-    promoted = 0.0
-    now = 0.0
-    sweeping = idle_ttl is not None
-    ready = State.READY
+    run = _Replay(core, requests, timed=timing == "replay", sweeping=idle_ttl is not None)
+    for number, request in enumerate(requests):
+        if request.time < run.now:
+            raise InvalidArgument(
+                f"{where(request)}requests must be in time order, but {request.time:g} "
+                f"comes after {run.now:g}"
+            )
+        run.ask(number, request, moves=bool(lower))
+    run.complete_until(math.inf)
+    if core.queue:  # (nothing is in flight: they would wait forever)
+        stuck = ", ".join(f"{entry.cache}:{entry.key}" for entry in core.queue)
+        raise RuntimeError(
+            f"the replay ended with requests never served: {stuck} still wait for space "
+            "that nothing in flight will free"
+        )
+    return ReplayResult(
+        policy=policy if isinstance(policy, str) else type(policy).__name__,
+        budget=dict(budget),
+        requests=len(requests),
+        hits=core.hits,
+        misses=core.misses,
+        reload_seconds=core.load_seconds + run.promoted,
+        all_loads_seconds=run.all_loads,
+        bytes_loaded=run.loaded,
+        evictions=core.evictions[Reason.CAPACITY] + core.evictions[Reason.IDLE],
+        wait_seconds=tuple(run.waits),
+        tiers=lower,
+        demotions=core.demotions,
+        promotions=core.promotions,
+        promote_seconds=run.promoted,
+    )
 
-    def started(shell: _Pending) -> None:
+
+class _Replay:
+    """One replay's shell: the books, the completions in flight, and the figures.
+
+    It does for the books what the broker's runner does: performs their
+    effects (a load, a release, a move takes its time from the trace), ends
+    leases after their ``hold_seconds``, and counts what the result reports.
+    """
+
+    def __init__(
+        self, core: Core, requests: Sequence[Request], *, timed: bool, sweeping: bool
+    ) -> None:
+        self.core = core
+        self.requests = requests
+        self.timed = timed
+        self.sweeping = sweeping
+        self.owners: dict[str, Owner] = {}
+        # Completions: (time, order, subject); an Entry is a load that finishes,
+        # an (entry, task) pair a lease that ends, a _Move a move that ends.
+        self.pending: list[tuple[float, int, Any]] = []
+        self.order = itertools.count()
+        self.holds: dict[Ticket, float] = {}
+        self.waits = [0.0] * len(requests)
+        self.arrival: dict[Ticket, tuple[int, float]] = {}
+        self.loaded = 0
+        self.all_loads = 0.0
+        self.promoted = 0.0
+        self.now = 0.0
+
+    def ask(self, number: int, request: Request, *, moves: bool) -> None:
+        """Request ``number`` arrives: what finished before it first, then its hit or wait."""
+        core = self.core
+        pending = self.pending
+        if pending and pending[0][0] <= request.time:
+            self.complete_until(request.time)
+        now = self.now = request.time
+        if self.sweeping:
+            core.sweep(now)
+            if core.effects:
+                self.perform()
+        owner = self.owners.get(request.cache)
+        if owner is None:
+            owner = self.owners[request.cache] = core.open_owner(request.cache, moves=moves)
+        self.all_loads += request.load_seconds
+        entry = owner.entries.get(request.key)
+        if entry is not None and entry.state is State.READY:  # a hit, as the broker serves it
+            core.hit(entry, number)
+            self.end(entry, number, request.hold_seconds)
+        else:
+            asked = Asked(request.key, dict(request.size), cost=request.load_seconds)
+            ticket = core.request(owner, asked, number)
+            entry = ticket.entry
+            if ticket.outcome is True:
+                self.end(entry, number, request.hold_seconds)
+            else:
+                self.holds[ticket] = request.hold_seconds
+                shell = entry.shell
+                if shell is None:
+                    shell = entry.shell = _Pending(request)
+                shell.tickets.append(ticket)
+                # It waits for space unless it joined a load or promotion under way.
+                state = entry.state
+                if not (state is State.LOADING or (state is State.MOVING and entry.promoting)):
+                    self.arrival[ticket] = (number, now)
+        if core.effects:
+            self.perform()
+
+    def started(self, shell: _Pending) -> None:
         """The load or promotion the tickets of ``shell`` wait for starts now."""
         for ticket in shell.tickets:
-            since = arrival.pop(ticket, None)
+            since = self.arrival.pop(ticket, None)
             if since is not None:
-                waits[since[0]] = now - since[1]
+                self.waits[since[0]] = self.now - since[1]
 
-    def perform() -> None:
-        nonlocal loaded, promoted
+    def perform(self) -> None:
+        core = self.core
         while core.effects:
             effects, core.effects = core.effects, []
             for effect in effects:
                 match effect:
                     case StartLoad(entry):
                         shell = entry.shell
-                        started(shell)
-                        loaded += sum(entry.charge.values())
-                        took = shell.load_seconds if timed else 0.0
-                        push(pending, (now + took, next(order), entry))
+                        self.started(shell)
+                        self.loaded += sum(entry.charge.values())
+                        took = shell.load_seconds if self.timed else 0.0
+                        heapq.heappush(self.pending, (self.now + took, next(self.order), entry))
                     case StartRelease(entry, _):
                         core.release_done(entry)
                     case StartMove(entry, _):
-                        shell = entry.shell
-                        if entry.promoting:
-                            started(shell)
-                            # The first requester waiting asked for the promotion.
-                            first = requests[shell.tickets[0].task]
-                            seconds = first.promote_seconds
-                            shell.demote_seconds = first.demote_seconds
-                            promoted += seconds
-                        else:
-                            seconds = shell.demote_seconds
-                        move = _Move(entry, seconds)
-                        if timed and seconds > 0:
-                            push(pending, (now + seconds, next(order), move))
-                        else:
-                            core.move_done(entry, None, None, seconds, now)
+                        self.move(entry)
                     case Settled(entry):
                         for ticket in entry.shell.tickets:
-                            arrival.pop(ticket, None)
+                            self.arrival.pop(ticket, None)
                             if ticket.outcome is True:
-                                end(entry, ticket.task, holds.pop(ticket))
+                                self.end(entry, ticket.task, self.holds.pop(ticket))
                         entry.shell.tickets = []
                     case CancelLoad() | Quarantined() | OwnerEmpty():
                         # Never made here: requests are never withdrawn, owners never
@@ -237,17 +302,38 @@ def replay(
                     case _:
                         assert_never(effect)
 
-    def end(entry: Entry, task: int, hold: float) -> None:
-        if hold and timed:
-            push(pending, (now + hold, next(order), (entry, task)))
+    def move(self, entry: Entry) -> None:
+        """Start ``entry``'s move: up for the requester that asked first, or down."""
+        shell = entry.shell
+        if entry.promoting:
+            self.started(shell)
+            # The first requester waiting asked for the promotion.
+            first = self.requests[shell.tickets[0].task]
+            seconds = first.promote_seconds
+            shell.demote_seconds = first.demote_seconds
+            self.promoted += seconds
         else:
-            core.lease_end(entry, task, now)
+            seconds = shell.demote_seconds
+        if self.timed and seconds > 0:
+            heapq.heappush(
+                self.pending, (self.now + seconds, next(self.order), _Move(entry, seconds))
+            )
+        else:
+            self.core.move_done(entry, None, None, seconds, self.now)
 
-    def complete_until(limit: float) -> None:
-        nonlocal now
+    def end(self, entry: Entry, task: int, hold: float) -> None:
+        if hold and self.timed:
+            heapq.heappush(self.pending, (self.now + hold, next(self.order), (entry, task)))
+        else:
+            self.core.lease_end(entry, task, self.now)
+
+    def complete_until(self, limit: float) -> None:
+        core = self.core
+        pending = self.pending
         while pending and pending[0][0] <= limit:
-            now, _, subject = pop(pending)
-            if sweeping:
+            now, _, subject = heapq.heappop(pending)
+            self.now = now
+            if self.sweeping:
                 core.sweep(now)
             kind = type(subject)
             if kind is tuple:
@@ -257,70 +343,7 @@ def replay(
             else:
                 core.load_done(subject, None, None, subject.shell.load_seconds, now)
             if core.effects:
-                perform()
-
-    for number, request in enumerate(requests):
-        if request.time < now:
-            raise InvalidArgument(
-                f"{where(request)}requests must be in time order, but {request.time:g} "
-                f"comes after {now:g}"
-            )
-        if pending and pending[0][0] <= request.time:
-            complete_until(request.time)
-        now = request.time
-        if sweeping:
-            core.sweep(now)
-            if core.effects:
-                perform()
-        owner = owners.get(request.cache)
-        if owner is None:
-            owner = owners[request.cache] = core.open_owner(request.cache, moves=moves)
-        all_loads += request.load_seconds
-        entry = owner.entries.get(request.key)
-        if entry is not None and entry.state is ready:  # a hit, as the broker serves it
-            core.hit(entry, number)
-            end(entry, number, request.hold_seconds)
-        else:
-            asked = Asked(request.key, dict(request.size), cost=request.load_seconds)
-            ticket = core.request(owner, asked, number)
-            entry = ticket.entry
-            if ticket.outcome is True:
-                end(entry, number, request.hold_seconds)
-            else:
-                holds[ticket] = request.hold_seconds
-                shell = entry.shell
-                if shell is None:
-                    shell = entry.shell = _Pending(request)
-                shell.tickets.append(ticket)
-                # It waits for space unless it joined a load or promotion under way.
-                state = entry.state
-                if not (state is State.LOADING or (state is State.MOVING and entry.promoting)):
-                    arrival[ticket] = (number, now)
-        if core.effects:
-            perform()
-    complete_until(math.inf)
-    if core.queue:  # (nothing is in flight: they would wait forever)
-        stuck = ", ".join(f"{entry.cache}:{entry.key}" for entry in core.queue)
-        raise RuntimeError(
-            f"the replay ended with requests never served: {stuck} still wait for space "
-            "that nothing in flight will free"
-        )
-    return ReplayResult(
-        policy=name,
-        budget=dict(budget),
-        requests=len(requests),
-        hits=core.hits,
-        misses=core.misses,
-        reload_seconds=core.load_seconds + promoted,
-        all_loads_seconds=all_loads,
-        bytes_loaded=loaded,
-        evictions=core.evictions[Reason.CAPACITY] + core.evictions[Reason.IDLE],
-        wait_seconds=tuple(waits),
-        tiers=lower,
-        demotions=core.demotions,
-        promotions=core.promotions,
-        promote_seconds=promoted,
-    )
+                self.perform()
 
 
 class _Pending:
