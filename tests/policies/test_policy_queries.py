@@ -196,7 +196,7 @@ class Plain:
 
 def test_a_policy_without_the_evicted_hook_still_evicts() -> None:
     policy = Plain()
-    h = gpus(policy=make_policy(policy))  # type: ignore[arg-type]
+    h = gpus(policy=make_policy(policy))
     idle(h, "a", {"gpu0": 80})
     place(h, "c", 60, places=("gpu0",))
     assert [key for key, _ in h.released] == ["a"]

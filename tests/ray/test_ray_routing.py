@@ -648,11 +648,11 @@ async def test_router_classes_shipped_by_value_share_their_deployments_books(
 
     module = importlib.import_module(BrokerRouter.__module__)  # (as Serve finds it)
     assert module.__name__ == "cachebroker.ray"
-    cloudpickle.register_pickle_by_value(module)
+    cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
     try:
-        shipped = cloudpickle.dumps(BrokerRouter)
+        shipped = cloudpickle.dumps(BrokerRouter)  # type: ignore[no-untyped-call]
     finally:
-        cloudpickle.unregister_pickle_by_value(module)
+        cloudpickle.unregister_pickle_by_value(module)  # type: ignore[no-untyped-call]
     # Unpickled as in a process that did not pickle it (cloudpickle would
     # otherwise hand back the class it pickled).
     tracked: Any = weakref.WeakValueDictionary()

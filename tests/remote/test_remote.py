@@ -35,7 +35,8 @@ from cachebroker import (
 from cachebroker._core import FAIR_REQUESTS
 from cachebroker._remote import _protocol as wire
 from cachebroker._remote._client import LinkAdmission
-from cachebroker._remote._daemon import Connection, Daemon
+from cachebroker._remote._connection import Connection
+from cachebroker._remote._daemon import Daemon
 from cachebroker.probes import Probe
 from tests.remote.support import Plugin, link_of, serving, states, stoppable, until, used, value
 

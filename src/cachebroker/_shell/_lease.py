@@ -155,21 +155,28 @@ class Lease(Generic[T_co]):
 
     if TYPE_CHECKING:
 
-        def __aenter__(self) -> Awaitable[Lease[T_co]]:
+        async def __aenter__(self) -> Lease[T_co]:
             """Acquire the lease (as ``await``), for ``async with cache.acquire(...) as lease``."""
             ...
 
     else:
         __aenter__ = _coroutine_twin(__await__, "__aenter__", _AENTER_DOC)
 
-    def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> Awaitable[None]:
-        """End the lease (``release()``); never a cancellation point, never raises."""
-        return self.release()
+    if TYPE_CHECKING:  # (what ``async with`` and ``AsyncExitStack`` expect)
+
+        async def __aexit__(
+            self,
+            exc_type: type[BaseException] | None,
+            exc: BaseException | None,
+            tb: TracebackType | None,
+        ) -> None:
+            """End the lease (``release()``); never a cancellation point, never raises."""
+
+    else:
+
+        def __aexit__(self, exc_type, exc, tb):
+            """End the lease (``release()``); never a cancellation point, never raises."""
+            return self.release()
 
     @property
     def value(self) -> T_co:
