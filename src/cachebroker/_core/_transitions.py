@@ -21,8 +21,8 @@ The life of an entry, by function:
   ``release_demoting``, ``cancel_demotion``; back up: ``queue_promotion``,
   ``come_home``;
 - failed or gone: ``fail_joiners``, ``fail_waiting``, ``drop_waiting``,
-  ``dequeue``, ``withdraw``, ``refuse``, ``detach``, ``discharge``, ``gone``, ``hand_over``,
-  ``check_empty`` (its owner is closing and has nothing left);
+  ``dequeue``, ``withdraw``, ``refuse``, ``drop_ticket``, ``detach``, ``discharge``,
+  ``gone``, ``hand_over``, ``check_empty`` (its owner is closing and has nothing left);
 - quarantined: ``release_missed``, ``quarantine``, ``strand``,
   ``unquarantine``, ``unorphan``.
 """
@@ -198,13 +198,7 @@ def withdraw(books: Books, ticket: Ticket) -> bool:
     The last requester leaving a queued entry removes it; leaving a loading
     entry cancels its load.
     """
-    ticket.outcome = BrokerClosed("request withdrawn")
-    entry = ticket.entry
-    entry.joiners.remove(ticket)
-    if ticket.holds:
-        entry.holding -= 1
-        if not entry.holding:
-            books.queue.released(entry)
+    entry = drop_ticket(books, ticket, BrokerClosed("request withdrawn"))
     if entry.joiners:
         return False
     if entry.state is State.WAITING:
@@ -256,17 +250,23 @@ def join(
     return ticket
 
 
-def refuse(books: Books, ticket: Ticket, error: BaseException) -> None:
-    """Refuse a queued entry's pending ``ticket`` with ``error`` (its task would wait on
-    itself): its requester wakes to raise it, and the last one leaving fails the
-    entry's wait (``fail_waiting``)."""
+def drop_ticket(books: Books, ticket: Ticket, outcome: BaseException) -> Entry:
+    """Take pending ``ticket`` off its entry with ``outcome``; return the entry."""
     entry = ticket.entry
-    ticket.outcome = error
+    ticket.outcome = outcome
     entry.joiners.remove(ticket)
     if ticket.holds:
         entry.holding -= 1
         if not entry.holding:
             books.queue.released(entry)
+    return entry
+
+
+def refuse(books: Books, ticket: Ticket, error: BaseException) -> None:
+    """Refuse a queued entry's pending ``ticket`` with ``error`` (its task would wait on
+    itself): its requester wakes to raise it, and the last one leaving fails the
+    entry's wait (``fail_waiting``)."""
+    entry = drop_ticket(books, ticket, error)
     if entry.joiners:
         books.effects.append(Settled(entry))  # wakes its requester
     else:
