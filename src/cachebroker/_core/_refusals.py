@@ -2,7 +2,8 @@
 
 A request that could never be granted (``check_fit``, ``shortage``), that
 would wait on its own task's leases (``check_deadlock``,
-``waits_on_itself``) or on a load that waits for it (``check_cycle``,
+``waits_on_itself``), in a cycle of lease holders (``check_waits_on_holders``,
+``_cycles``) or on a load that waits for it (``check_cycle``,
 ``check_join``), or whose places cannot hold it (``placeable``) is refused
 at once with an error that says why. These are read-only queries of the
 books, but for ``check_join``, which hurries a gated load (``_transitions``).
@@ -15,6 +16,7 @@ from collections.abc import Hashable, Mapping
 from .._errors import DeadlockError, OutOfSpace, RequestTooLarge
 from .._units import format_bytes
 from . import _reach, _transitions
+from ._cycles import check_cycle_of_holders
 from ._model import Entry, Owner, State
 from ._state import Books
 from ._tiers import beyond, unparked
@@ -24,6 +26,7 @@ __all__ = [
     "check_deadlock",
     "check_fit",
     "check_join",
+    "check_waits_on_holders",
     "holds_any",
     "oversize",
     "placeable",
@@ -106,14 +109,77 @@ def holds_any(books: Books, task: object) -> bool:
     return any(task in entry.holders for entry in books.busy)
 
 
-def check_deadlock(
-    books: Books, owner: Owner, key: Hashable, need: Mapping[str, int], mine: list[Entry]
+def check_waits_on_holders(
+    books: Books,
+    owner: Owner,
+    key: Hashable,
+    need: Mapping[str, int],
+    places: tuple[str, ...] | None,
+    priority: int,
+    task: object,
+    held: tuple[Entry, ...] | None,
 ) -> None:
-    if not mine or all(books.spaces[s].fits(n) for s, n in need.items()):
+    """Refuse a request that would wait in a cycle of lease holders (``_cycles``)."""
+    if not (books.busy or held) or not books.queue:
+        return  # (a cycle needs another waiting lease holder)
+    spaces = books.spaces
+    if places is None:
+        if all(spaces[s].fits(n) for s, n in need.items()):
+            return
+    elif any(spaces[p].fits(sum(need.values())) for p in places):
+        return
+    check_cycle_of_holders(books, owner, key, need, places, priority, task, held)
+
+
+def check_deadlock(
+    books: Books,
+    owner: Owner,
+    key: Hashable,
+    need: Mapping[str, int],
+    mine: list[Entry],
+    loading: tuple[Entry, ...] = (),
+) -> None:
+    """Refuse a request that only its task's leases (``mine``), or the reservations of
+    the loads it is made from (``loading``: they wait for it), could make room for."""
+    if not (mine or loading) or all(books.spaces[s].fits(n) for s, n in need.items()):
         return
     error = waits_on_itself(books, owner, key, need, mine, now=True)
+    if error is None and loading:
+        error = _waits_on_its_load(books, owner, key, need, mine, loading)
     if error is not None:
         raise error
+
+
+def _waits_on_its_load(
+    books: Books,
+    owner: Owner,
+    key: Hashable,
+    need: Mapping[str, int],
+    mine: list[Entry],
+    loading: tuple[Entry, ...],
+) -> DeadlockError | None:
+    """The error for a loader's request that only the reservations of the loads it is
+    made from (and its task's leases, ``mine``) could make room for: those loads wait
+    for this request."""
+    for name, amount in need.items():
+        loads = [e for e in loading if name in e.charge]
+        if not loads:
+            continue
+        held = loads + [e for e in mine if name in e.charge]
+        space = books.spaces[name]
+        if amount > space.capacity - space.stranded - sum(e.charge[name] for e in held):
+            shown = [(e.owner.name, e.key) for e in held]
+            return DeadlockError(
+                f"acquiring {owner.name}:{key!r} from inside the loader of "
+                f"{', '.join(f'{e.owner.name}:{e.key!r}' for e in loads)} needs "
+                f"{format_bytes(amount)} in space {name!r}, which only "
+                f"{', '.join(f'{c}:{k!r}' for c, k in shown)} could make room for: that "
+                "load's own reservation (and the task's leases), and the load waits for "
+                "this request; give the outer load room for both, or load the inner "
+                "value first",
+                shown,
+            )
+    return None
 
 
 def waits_on_itself(
@@ -220,7 +286,9 @@ def check_join(
         if waiting
         else []
     )
-    check_deadlock(books, owner, key, taking, mine)
+    check_deadlock(books, owner, key, taking, mine, loading if waiting else ())
+    if waiting:
+        check_waits_on_holders(books, owner, key, taking, placed, entry.priority, task, held)
     return promote, need, placed, mine
 
 

@@ -46,7 +46,17 @@ def miss(
     # (A placed request holds leases where any of its places lies.)
     spread = need if places is None else dict.fromkeys(places, sum(need.values()))
     mine = _reach.leased_by(books, task, spread, queued=bool(books.queue), held=held)
-    _refusals.check_deadlock(books, owner, key, need, mine)
+    _refusals.check_deadlock(books, owner, key, need, mine, loading)
+    _refusals.check_waits_on_holders(
+        books,
+        owner,
+        key,
+        need,
+        places,
+        owner.priority if request.priority is None else request.priority,
+        task,
+        held,
+    )
     urgent = unknown and (urgent or bool(loading) or _refusals.holds_any(books, task))
     entry = _transitions.create(
         books,

@@ -608,7 +608,8 @@ class Link:
         unknown = entry.unknown
         # What the requesting task leases here: the daemon refuses a request that
         # only those leases could make room for (DeadlockError), as in-process.
-        task = entry.joiners[0].task if entry.joiners else None
+        first = entry.joiners[0] if entry.joiners else None
+        task = first.task if first is not None else None
         holding = [
             self.ids[held]
             for held in core.busy
@@ -634,6 +635,9 @@ class Link:
             # loader, or by a task holding a lease) must pass the daemon's too.
             "urgent": unknown and entry is not core.gate.turn,
             "holding": holding,
+            # The loads this request is made from (their loaders wait for it): the
+            # daemon refuses it if only their reservations could make room.
+            "loading": [self.ids[e] for e in (first.loading if first else ()) if e in self.ids],
         }
         self.priorities[entry] = entry.priority
         self.admitting[id] = _Admission(message)

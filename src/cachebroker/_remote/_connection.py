@@ -310,16 +310,25 @@ class Connection:
         if not isinstance(holding, list) or not all(type(i) is int for i in holding):
             raise ProtocolError(f"'acquire' message: 'holding' is {holding!r}")
         held = tuple(mirror for mirror in map(self.mirrors.get, holding) if mirror is not None)
+        loading = message.get("loading", [])
+        if not isinstance(loading, list) or not all(type(i) is int for i in loading):
+            raise ProtocolError(f"'acquire' message: 'loading' is {wire.shown(loading)}")
+        loads = tuple(m for m in map(self.mirrors.get, loading) if m is not None)
         mirror = _Mirror(id, key, space)
         request = wire.decode_request(
             message, key, load=functools.partial(self._load, mirror), measure=_measured
         )
         self.mirrors[id] = mirror
         assert self.tg is not None
-        self.tg.start_soon(self._acquire, mirror, request, bool(message.get("urgent")), held)
+        self.tg.start_soon(self._acquire, mirror, request, bool(message.get("urgent")), held, loads)
 
     async def _acquire(
-        self, mirror: _Mirror, request: Request, urgent: bool, holding: tuple[_Mirror, ...]
+        self,
+        mirror: _Mirror,
+        request: Request,
+        urgent: bool,
+        holding: tuple[_Mirror, ...],
+        loads: tuple[_Mirror, ...],
     ) -> None:
         block = mirror.space.block
         assert block is not None
@@ -338,7 +347,11 @@ class Connection:
             held = tuple(other.entry for other in holding if other.entry is not None)
             try:
                 entry, task = await self.runner.request(
-                    block.owner, request, urgent=urgent, held=held
+                    block.owner,
+                    request,
+                    urgent=urgent,
+                    held=held,
+                    loading=_loading(loads),
                 )
             except Exception as exc:
                 loaded = block.owner.entries.get(mirror.key)
@@ -669,3 +682,15 @@ class Connection:
 def _measured(charge: object) -> object:
     """A process's entry weighs what the process measured (its load returns that)."""
     return charge
+
+
+def _loading(loads: tuple[_Mirror, ...]) -> tuple[Entry, ...]:
+    """The entries of ``loads`` (a request's outer loads) in these books: still loading, so
+    their mirrors have no entry yet; they are found under their keys."""
+    found = []
+    for mirror in loads:
+        block = mirror.space.block
+        entry = block.owner.entries.get(mirror.key) if block is not None else None
+        if entry is not None:
+            found.append(entry)
+    return tuple(found)

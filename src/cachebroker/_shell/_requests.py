@@ -57,6 +57,7 @@ class Requests:
         urgent: bool = False,
         held: tuple[Entry, ...] | None = None,
         bound: bool = True,
+        loading: tuple[Entry, ...] | None = None,
     ) -> tuple[Entry, object]:
         """``Runner.request``: the entry and the lease's holder."""
         steps = self._steps
@@ -65,7 +66,13 @@ class Requests:
         name, key = owner.name, request.key
         self._before()
         ticket = core.request(
-            owner, request, task, loading=LOADING.get(), urgent=urgent, held=held, bound=bound
+            owner,
+            request,
+            task,
+            loading=LOADING.get() if loading is None else loading,
+            urgent=urgent,
+            held=held,
+            bound=bound,
         )
         entry = ticket.entry
         if ticket.outcome is None and task in self._releases.releasing_tasks:

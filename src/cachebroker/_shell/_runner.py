@@ -440,15 +440,19 @@ class Runner:
         urgent: bool = False,
         held: tuple[Entry, ...] | None = None,
         bound: bool = True,
+        loading: tuple[Entry, ...] | None = None,
     ) -> Coroutine[Any, Any, tuple[Entry, object]]:
         """Acquire ``request.key`` when it is not ready, or limited (a miss, a join, a slot
         wait): the entry and its holder (``Requests.request``).
 
         ``Cache._acquire_slow`` checked the request and parsed its ``need``;
-        ``urgent`` and ``held`` are for a request relayed from another process,
+        ``urgent``, ``held`` and ``loading`` (the loads it is made from, by default
+        those this task runs in) are for a request relayed from another process,
         ``bound`` says whether only this task can end the lease (``Core.request``).
         """
-        return self.requests.request(owner, request, urgent=urgent, held=held, bound=bound)
+        return self.requests.request(
+            owner, request, urgent=urgent, held=held, bound=bound, loading=loading
+        )
 
     def adopt(
         self,

@@ -229,9 +229,10 @@ class Relay(Protocol):
         *,
         urgent: bool = False,
         held: tuple[Entry, ...] | None = None,
+        loading: tuple[Entry, ...] | None = None,
     ) -> tuple[Entry, object]:
         """A process's request (``wire.decode_request``): the entry and the lease's holder,
-        once granted."""
+        once granted. ``loading``: the entries whose loads (there) make it."""
 
     def adopt(
         self,
