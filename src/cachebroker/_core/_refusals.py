@@ -15,8 +15,7 @@ from collections.abc import Hashable, Mapping
 
 from .._errors import DeadlockError, OutOfSpace, RequestTooLarge
 from .._units import format_bytes
-from . import _reach, _transitions
-from ._cycles import check_cycle_of_holders
+from . import _cycles, _reach, _transitions
 from ._model import Entry, Owner, State
 from ._state import Books
 from ._tiers import beyond, unparked
@@ -128,7 +127,7 @@ def check_waits_on_holders(
             return
     elif any(spaces[p].fits(sum(need.values())) for p in places):
         return
-    check_cycle_of_holders(books, owner, key, need, places, priority, task, held)
+    _cycles.check_cycle_of_holders(books, owner, key, need, places, priority, task, held)
 
 
 def check_deadlock(
