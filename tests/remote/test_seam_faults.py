@@ -533,3 +533,48 @@ async def test_two_lease_holders_waiting_on_each_other_get_a_deadlock_error(kind
         assert served == ["x"]
         stats = await quiet(broker)
         assert sum(stats.used.values()) == sum(books.loaded.values()) <= BUDGET
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_PEERCRED, /proc")
+@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+async def test_two_processes_waiting_on_each_others_leases_get_a_deadlock_error(
+    procs: Procs,
+) -> None:
+    """Process 1 holds ``a`` (60 of 100) and waits for room ``b`` fills; process 2 holds
+    ``b`` (40) and asks for room ``a`` fills: the daemon refuses process 2's request at
+    once with ``DeadlockError``; process 2 lets ``b`` go and process 1 is served."""
+    with anyio.fail_after(60):
+        async with serving(procs.socket, BUDGET) as daemon:
+            first = procs.steps(
+                "first",
+                {"do": "connect"},
+                {"do": "acquire", "key": "a", "size": 60},
+                {"do": "wait", "signal": "b-held"},
+                {"do": "acquire", "key": "x", "size": 40, "timeout": 30},
+                {"do": "wait", "signal": "finish"},
+            )
+            await first.wait_for("acquired", key="a")
+            second = procs.steps(
+                "second",
+                {"do": "connect"},
+                {"do": "acquire", "key": "b", "size": 40},
+                {"do": "wait", "signal": "x-waits"},
+                {"do": "acquire", "key": "y", "size": 60, "timeout": 30},
+                {"do": "release", "label": "b"},
+                {"do": "wait", "signal": "finish"},
+            )
+            await second.wait_for("acquired", key="b")
+            procs.signal("b-held")
+            await first.wait_for("acquiring", key="x")
+            await wait_until(
+                lambda: any(e["state"] == "waiting" for e in daemon.listing()["entries"]),
+                limit=20,
+            )
+            procs.signal("x-waits")
+            refused = await second.wait_for("error", key="y")
+            assert refused["type"] == "DeadlockError", refused
+            assert "would wait for ever" in refused["message"], refused
+            await second.wait_for("let go", label="b")
+            await first.wait_for("acquired", key="x")
+            check_books(daemon)
+            procs.signal("finish")
