@@ -144,10 +144,13 @@ def check_cycle_of_holders(
 
     Only called for a request that would wait: it does not fit now.
     """
-    leases = _leases_by_task(books)
-    mine = [e for e in held if e.leases or e.pinned] if held is not None else leases.get(task, [])
+    if held is not None:
+        mine = [e for e in held if e.leases or e.pinned]
+    else:
+        mine = [e for e in books.busy if task in e.holders]
     if not mine:
-        return
+        return  # (the usual case: a task that holds nothing closes no cycle)
+    leases = _leases_by_task(books)
     asking = _Waiter(owner, key, task, need, places, priority, mine)
     stuck = _stuck(books, [asking, *_queued_holders(books, leases)])
     if asking not in stuck:
