@@ -77,18 +77,34 @@ class Model:
             del self.current[r.key]
         self.evicted.append((r.key, reason))
 
+    def out_of_reach(self, waiter: Waiter) -> bool:
+        """Whether, in one of its spaces, it needs more than all but the leases of its
+        own lease-holding tasks there: no eviction could let it in (it waits aside)."""
+        mine = [
+            r
+            for r in self.resident
+            if set(r.holders) & set(waiter.holding) and r.charge.keys() & waiter.need.keys()
+        ]
+        return any(
+            n > SPACES[s] - sum(r.charge.get(s, 0) for r in mine) for s, n in waiter.need.items()
+        )
+
     def schedule(self) -> None:
+        """FIFO per space: a waiter that cannot be covered blocks its spaces for those
+        behind it (but for lease holders), unless it waits aside (``out_of_reach``)."""
         blocked: set[str] = set()
         for waiter in list(self.queue):
-            if blocked & waiter.need.keys() and not waiter.holding:
-                blocked |= waiter.need.keys()
-                continue
             short = {s: n - (SPACES[s] - self.used(s)) for s, n in waiter.need.items()}
             short = {s: n for s, n in short.items() if n > 0}
+            if blocked & waiter.need.keys() and not waiter.holding:
+                if not (short and self.out_of_reach(waiter)):
+                    blocked |= waiter.need.keys()
+                continue
             if short:
                 idle = self.idle()
                 if any(sum(r.charge.get(s, 0) for r in idle) < n for s, n in short.items()):
-                    blocked |= waiter.need.keys()
+                    if not self.out_of_reach(waiter):
+                        blocked |= waiter.need.keys()
                     continue
                 for r in idle:  # oldest first, only those that help a still-short space
                     if not short:
@@ -133,6 +149,8 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(key=KEYS, size=charges(), task=TASKS)
     def acquire(self, key: str, size: dict[str, int], task: int) -> None:
+        if any(ticket.task == task for ticket in self.pending):
+            return  # (a task waiting in acquire asks for nothing else meanwhile)
         m = self.model
         need = {s: n for s, n in size.items() if n}
         r = m.current.get(key)
@@ -142,14 +160,14 @@ class CoreMachine(RuleBasedStateMachine):
             r.holders.append(task)
             r.idle_order = None
         elif waiter is not None:
-            if self._deadlocks(task, waiter.need):
+            if self._deadlocks(task, waiter.need) or self._closes_cycle(task, waiter.need):
                 expect_error = DeadlockError
             else:
                 self._join(waiter, task)
                 m.schedule()  # a joiner holding a lease may let it pass a blocked waiter
         elif any(n > SPACES[s] for s, n in need.items()):
             expect_error = RequestTooLarge
-        elif self._deadlocks(task, need):
+        elif self._deadlocks(task, need) or self._closes_cycle(task, need):
             expect_error = DeadlockError
         else:
             waiter = Waiter(key, need)
@@ -177,6 +195,30 @@ class CoreMachine(RuleBasedStateMachine):
         return any(
             m.pinned_by(task, s) and n > SPACES[s] - m.pinned_by(task, s) for s, n in need.items()
         )
+
+    def _closes_cycle(self, task: object, need: dict[str, int]) -> bool:
+        """Whether ``task``, a lease holder, would wait among lease holders none of
+        which can ever be served: take out, again and again, each waiting lease
+        holder that fits once every byte but the leases of those left came back."""
+        m = self.model
+        if all(m.used(s) + n <= SPACES[s] for s, n in need.items()):
+            return False
+
+        def holds(t: object) -> bool:
+            return any(t in r.holders for r in m.resident)
+
+        if not holds(task):
+            return False
+        asking = (task, need)
+        left = [asking] + [(t, w.need) for w in m.queue for t in w.tasks if holds(t)]
+        while True:
+            tasks = {t for t, _ in left}
+            held = [r for r in m.resident if tasks & set(r.holders)]
+            room = {s: b - sum(r.charge.get(s, 0) for r in held) for s, b in SPACES.items()}
+            going = [w for w in left if all(a <= room[s] for s, a in w[1].items())]
+            if not going:
+                return any(w is asking for w in left)
+            left = [w for w in left if not any(w is g for g in going)]
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
