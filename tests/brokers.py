@@ -23,6 +23,8 @@ from cachebroker import Broker
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 
 KINDS = ("local", "connected")
+#: The settings a connected broker takes itself (``Broker.connect``), not its daemon.
+CONNECT_SETTINGS = ("oom_errors", "oom_retries")
 
 _DAEMONS: dict[int, Daemon] = {}
 
@@ -40,13 +42,15 @@ async def open_broker(kind: str, budget: Any, **settings: Any) -> AsyncIterator[
             yield broker
         return
     assert kind == "connected", kind
+    # (the process's own settings: how its loads retry; the rest are the daemon's)
+    mine = {name: settings.pop(name) for name in CONNECT_SETTINGS if name in settings}
     directory = tempfile.mkdtemp(prefix="cb-", dir="/tmp")  # (socket paths are short)
     daemon = Daemon(DaemonBroker(budget, **settings), os.path.join(directory, "s.sock"))
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(daemon.run)
             try:
-                async with Broker.connect(daemon.address) as broker:
+                async with Broker.connect(daemon.address, **mine) as broker:
                     _DAEMONS[id(broker)] = daemon
                     try:
                         yield broker

@@ -9,7 +9,8 @@ stdout, one JSON object a line, each with an ``"event"``. ``CONFIG["mode"]``:
   (held, or in the background), release, invalidate, read a lease's value,
   wait for a signal, close; loaders and releasers may block forever, or until
   a signal, so that the test can kill the process (or its daemon) in the
-  middle of one;
+  middle of one; a loader may run out of memory until a file exists, which
+  another process's releaser creates (``oom-until:``, ``frees:``);
 * ``random``: a seeded run of acquires, holds, releases, timeouts,
   cancellations and failing loads across a few tasks, logging every load's
   start and every release's end with a monotonic timestamp (``random_run``);
@@ -76,6 +77,8 @@ class Steps:
             await anyio.sleep_forever()
         if self.releaser.startswith("signal:"):  # until the test says so
             await wait_signal(self.signals, self.releaser.partition(":")[2])
+        if self.releaser.startswith("frees:"):  # a device's memory another process sees
+            await (anyio.Path(self.signals) / self.releaser.partition(":")[2]).touch()
         say("released", key=repr(key))
 
     def loader(self, label: str, how: str) -> Callable[[], Awaitable[str]]:
@@ -85,6 +88,11 @@ class Steps:
                 await anyio.sleep_forever()
             if how.startswith("signal:"):  # until the test says so
                 await wait_signal(self.signals, how.partition(":")[2])
+            # The device is full until that file exists:
+            room = anyio.Path(self.signals) / how.partition(":")[2]
+            if how.startswith("oom-until:") and not await room.exists():
+                say("out of memory", label=label)
+                raise MemoryError(f"no room on the device for {label}")
             return f"{label}@{os.getpid()}"
 
         return load
@@ -176,7 +184,13 @@ class Steps:
     async def stats(self, step: Config) -> None:
         assert self.broker is not None
         stats = await self.broker.stats()
-        say("stats", used=dict(stats.used), broker_used=stats.broker_used)
+        say(
+            "stats",
+            used=dict(stats.used),
+            broker_used=stats.broker_used,
+            oom_retries=stats.oom_retries,
+            releases=dict(stats.releases),
+        )
 
 
 STEPS: dict[str, Callable[[Steps, Config], Awaitable[None]]] = {

@@ -32,6 +32,7 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from cachebroker import Broker, BrokerClosed, format_bytes
+from cachebroker._core import Reason
 from cachebroker._remote import _client
 from cachebroker._remote import _protocol as wire
 from cachebroker._remote._client import LinkAdmission
@@ -575,6 +576,7 @@ MALFORMED = [
     (True, frame(b'{"id": 1}'), "with an 'op'"),
     (True, wire.encode({"op": "bogus"}), "unknown op 'bogus'"),
     (True, wire.encode({"op": "acquire", "id": "one", "cache": "c"}), "'id' is 'one'"),
+    (True, wire.encode({"op": "free", "id": None}), "'free' message: 'id' is None"),
 ]
 
 
@@ -705,7 +707,11 @@ async def test_a_release_asked_of_an_entry_leased_again_is_refused(
                     assert isinstance(side, LinkAdmission) and side.link is not None
                     link = side.link
                     asked: list[int] = []
-                    link.give_up = asked.append  # type: ignore[method-assign,assignment]
+
+                    def hold_back(id: int, reason: Reason = Reason.CAPACITY) -> None:
+                        asked.append(id)
+
+                    link.give_up = hold_back  # type: ignore[method-assign]
 
                     got: list[Any] = []
 
@@ -808,3 +814,45 @@ async def test_the_daemon_counts_a_process_own_releases_by_their_reason(
                 "'kept'": "close",
             }
             assert freed == ["old", "kept"]
+
+
+async def test_out_of_memory_in_one_process_frees_idle_entries_of_another(procs: Procs) -> None:
+    """Free and retry across processes: B's load runs out of device memory, which only
+    A's idle entry ``a`` holds (the books have room: the device does not). The daemon
+    picks ``a``, in its policy's order among every process's idle entries, A releases
+    it (freeing the device), and B's retried load succeeds: B logs one retry naming
+    ``a@A``, and A counts the release as one for a retry."""
+    with anyio.fail_after(60):
+        async with serving(procs.socket, 100) as daemon:
+            owner = procs.steps(
+                "owner",
+                {"do": "connect"},
+                {"do": "acquire", "key": "a", "size": 40, "hold": False},
+                {"do": "wait", "signal": "report"},
+                {"do": "stats"},
+                {"do": "wait", "signal": "finish"},
+                releaser="frees:room",
+            )
+            await owner.wait_for("acquired", key="a")
+            await wait_until(lambda: daemon.totals()["used"] == {"default": 40}, limit=20)
+            loader_proc = procs.steps(
+                "loader",
+                {"do": "connect"},
+                {"do": "acquire", "key": "b", "size": 10, "load": "oom-until:room"},
+                {"do": "stats"},
+                {"do": "wait", "signal": "finish"},
+            )
+            await loader_proc.wait_for("out of memory", label="b")
+            await owner.wait_for("released", key="'a'")
+            acquired = await loader_proc.wait_for("acquired", key="b")
+            assert acquired["value"] == f"b@{loader_proc.pid}"
+            stats = await loader_proc.wait_for("stats")
+            assert stats["oom_retries"] == 1, stats
+            check_books(daemon)
+            assert by_pid(daemon) == {loader_proc.pid: {"default": 10}}
+            assert daemon.broker.stats_nowait().releases["retry"] == 1
+            procs.signal("report")
+            assert (await owner.wait_for("stats"))["releases"]["retry"] == 1
+            procs.signal("finish")
+            assert await loader_proc.exit() == 0, loader_proc.stderr()
+            assert await owner.exit() == 0, owner.stderr()

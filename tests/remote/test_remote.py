@@ -32,7 +32,7 @@ from cachebroker import (
     InvalidArgument,
     RequestTooLarge,
 )
-from cachebroker._core import FAIR_REQUESTS
+from cachebroker._core import FAIR_REQUESTS, Reason
 from cachebroker._remote import _protocol as wire
 from cachebroker._remote._client import LinkAdmission
 from cachebroker._remote._connection import Connection
@@ -108,12 +108,12 @@ async def test_a_victim_leased_again_before_the_request_arrives_is_refused_and_a
                 arrived = anyio.Event()
                 give_up = link.give_up
 
-                def hold(id: int) -> None:
+                def hold(id: int, reason: Reason = Reason.CAPACITY) -> None:
                     if not asked:
                         asked.append(id)
                         arrived.set()
                     else:
-                        give_up(id)
+                        give_up(id, reason)
 
                 link.give_up = hold  # type: ignore[method-assign]
                 async with anyio.create_task_group() as tg:
@@ -831,7 +831,11 @@ async def test_a_release_timed_out_here_but_refused_there_is_asked_again_when_id
                 link = link_of(one)
                 assert link is not None
                 asked: list[int] = []
-                link.give_up = asked.append  # type: ignore[method-assign,assignment]
+
+                def hold_back(id: int, reason: Reason = Reason.CAPACITY) -> None:
+                    asked.append(id)
+
+                link.give_up = hold_back  # type: ignore[method-assign]
                 # Past the daemon's release timeout, x's release may still be answered:
                 # a request for its room waits for it, within its own timeout.
                 with pytest.raises(cachebroker.AcquireTimeout):

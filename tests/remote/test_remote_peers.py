@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 
 from cachebroker import Broker, BrokerClosed
 from cachebroker.__main__ import main
+from cachebroker._core import Reason
 from cachebroker._remote import _connection, _daemon, _ps
 from cachebroker._remote import _protocol as wire
 from cachebroker._remote._daemon import Daemon, DaemonBroker
@@ -185,6 +186,39 @@ def test_a_frame_of_any_bytes_is_a_message_or_a_protocol_error(body: bytes) -> N
 def test_the_decoder_refuses_what_no_peer_may_send(body: bytes, why: str) -> None:
     with pytest.raises(wire.ProtocolError, match=why):
         wire.decode(body)
+
+
+@pytest.mark.parametrize(
+    ("message", "why"),
+    [
+        ({"victims": [["c", "'a'"]], "spaces": []}, "'victims' is"),
+        ({"victims": [["c", "'a'", "1"]], "spaces": []}, "'victims' is"),
+        ({"victims": [[1, "'a'", None]], "spaces": []}, "'victims' is"),
+        ({"victims": {}, "spaces": []}, "'victims' is"),
+        ({"victims": [], "spaces": "default"}, "'spaces' is"),
+        ({"victims": [], "spaces": [1]}, "'spaces' is"),
+    ],
+)
+def test_a_malformed_freed_answer_is_a_protocol_error(message: dict[str, Any], why: str) -> None:
+    with pytest.raises(wire.ProtocolError, match=why):
+        wire.decode_freed({"op": "freed", "id": 1, **message}, lambda id: None)
+
+
+def test_a_freed_answer_names_the_asking_process_own_victims_as_it_knows_them() -> None:
+    """A victim of the asking process (its number given) by its own cache and key; another
+    process's by its cache in the daemon's books and its key's ``repr``."""
+    fields = wire.encode_freed([("c", "'a'", 7), ("w@42", "'b'", None)], {"gpu", "ram"})
+    freed = wire.decode_freed({"op": "freed", "id": 1, **fields}, {7: ("c", ("a", 1))}.get)
+    assert freed.victims == (("c", ("a", 1)), ("w@42", "'b'"))
+    assert freed.spaces == {"gpu", "ram"}
+
+
+def test_a_release_reason_is_a_known_one_or_a_protocol_error() -> None:
+    assert wire.reason({"op": "release", "id": 1}) is Reason.CAPACITY
+    assert wire.reason({"op": "release", "id": 1, "reason": "retry"}) is Reason.RETRY
+    for bad in ("bored", ["retry"], None):
+        with pytest.raises(wire.ProtocolError, match="'release' message: 'reason' is"):
+            wire.reason({"op": "release", "id": 1, "reason": bad})
 
 
 def test_a_bad_field_is_named_in_a_few_words_whatever_its_size() -> None:

@@ -1,4 +1,8 @@
-"""Free and retry: loads that run out of memory free victims and try again."""
+"""Free and retry: loads that run out of memory free victims and try again.
+
+On both kinds of broker (``kind``): connected, the daemon chooses the victims,
+among every process's idle entries, and asks their owners to release them.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 import pytest
 
 from cachebroker import Broker, Cache, OutOfSpace
+from tests.brokers import open_broker
 from tests.helpers import Device
 
 pytestmark = pytest.mark.anyio
@@ -24,10 +29,10 @@ async def load_all(cache: Cache, device: Device, *items: tuple[str, int]) -> Non
 
 
 async def test_out_of_memory_frees_victims_in_policy_order_and_retries(
-    events: list[MutableMapping[str, Any]],
+    kind: str, events: list[MutableMapping[str, Any]]
 ) -> None:
     device = Device(100)
-    async with Broker(budget="1GiB") as broker, broker.cache("gpu", device) as cache:
+    async with open_broker(kind, "1GiB") as broker, broker.cache("gpu", device) as cache:
         await load_all(cache, device, ("a", 40), ("b", 40), ("c", 20))
         async with cache.acquire("big", load=device.loader("big", 70)) as lease:
             assert lease.value == ("big", 70)
@@ -38,9 +43,9 @@ async def test_out_of_memory_frees_victims_in_policy_order_and_retries(
     assert [e["freed"] for e in retries] == [[("gpu", "a")], [("gpu", "b")]]
 
 
-async def test_nothing_left_to_free_fails_chained_to_the_out_of_memory_error() -> None:
+async def test_nothing_left_to_free_fails_chained_to_the_out_of_memory_error(kind: str) -> None:
     device = Device(100)
-    async with Broker(budget="1GiB") as broker, broker.cache("gpu", device) as cache:
+    async with open_broker(kind, "1GiB") as broker, broker.cache("gpu", device) as cache:
         await load_all(cache, device, ("a", 30))
         with pytest.raises(OutOfSpace, match="nothing is left to free") as info:
             await cache.acquire("huge", load=device.loader("huge", 150))
@@ -54,35 +59,38 @@ async def test_nothing_left_to_free_fails_chained_to_the_out_of_memory_error() -
         assert (await broker.stats()).used == {"default": 0}
 
 
-async def test_configured_error_types_count_as_out_of_memory() -> None:
+async def test_configured_error_types_count_as_out_of_memory(kind: str) -> None:
     device = Device(50, error=DeviceFull)
-    async with Broker(budget="1GiB", oom_errors=DeviceFull) as broker:
+    async with open_broker(kind, "1GiB", oom_errors=DeviceFull) as broker:
         async with broker.cache("gpu", device) as cache:
             await load_all(cache, device, ("a", 40), ("b", 40))
             assert device.freed == ["a"]
 
 
-async def test_other_errors_are_not_retried() -> None:
+async def test_other_errors_are_not_retried(kind: str) -> None:
     device = Device(50, error=DeviceFull)
-    async with Broker(budget="1GiB") as broker, broker.cache("gpu", device) as cache:
+    async with open_broker(kind, "1GiB") as broker, broker.cache("gpu", device) as cache:
         await load_all(cache, device, ("a", 40))
         with pytest.raises(DeviceFull):
             await load_all(cache, device, ("b", 40))
         assert device.freed == []
 
 
-async def test_retries_are_bounded() -> None:
+async def test_retries_are_bounded(kind: str) -> None:
     device = Device(100)
-    async with Broker(budget="1GiB", oom_retries=1) as broker, broker.cache("gpu", device) as cache:
+    async with (
+        open_broker(kind, "1GiB", oom_retries=1) as broker,
+        broker.cache("gpu", device) as cache,
+    ):
         await load_all(cache, device, ("a", 30), ("b", 30), ("c", 30))
         with pytest.raises(OutOfSpace, match="1 retries after freeing did not help"):
             await load_all(cache, device, ("big", 80))
         assert device.freed == ["a"]
 
 
-async def test_loader_raising_out_of_space_is_retried() -> None:
+async def test_loader_raising_out_of_space_is_retried(kind: str) -> None:
     device = Device(60, error=OutOfSpace)
-    async with Broker(budget="1GiB") as broker, broker.cache("gpu", device) as cache:
+    async with open_broker(kind, "1GiB") as broker, broker.cache("gpu", device) as cache:
         await load_all(cache, device, ("a", 40), ("b", 40))
         assert device.freed == ["a"]
 
@@ -92,3 +100,5 @@ def test_bad_oom_settings_are_rejected() -> None:
         Broker(budget=1, oom_errors=(ValueError, "MemoryError"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="oom_retries must be a non-negative int"):
         Broker(budget=1, oom_retries=-1)
+    with pytest.raises(ValueError, match="oom_retries must be a non-negative int, got True"):
+        Broker.connect("/nonexistent.sock", oom_retries=True)

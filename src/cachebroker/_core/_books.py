@@ -778,8 +778,8 @@ class Core(Books):
 
     # ------------------------------------------------- owners in other processes
 
-    def give_up(self, entry: Entry) -> bool:
-        """Books above these ones (a shared broker) picked ``entry`` as a victim.
+    def give_up(self, entry: Entry, reason: Reason = Reason.CAPACITY) -> bool:
+        """Books above these ones (a shared broker) picked ``entry`` as a victim (``reason``).
 
         An idle entry's release starts now. Returns ``False`` when the entry
         is leased or pinned, so the release is refused; ``True`` when its
@@ -792,9 +792,9 @@ class Core(Books):
                 if seam is not None and seam.lets_go(entry) and not entry.pinned:
                     # Offered idle, leased again before the release asked for
                     # then arrived: it goes when its last lease ends.
-                    self.let_go(entry, Reason.CAPACITY)
+                    self.let_go(entry, reason)
                 return False
-            _transitions.start_release(self, entry, Reason.CAPACITY)
+            _transitions.start_release(self, entry, reason)
             schedule(self)
         return entry.state is not State.LOADING
 

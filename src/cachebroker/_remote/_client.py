@@ -31,15 +31,16 @@ import attrs
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
-from .._core import Entry, Request, State
+from .._core import Entry, Reason, Request, State
 from .._errors import BrokerClosed, DeadlockError
 from .._shell._config import oom_error_types
 from .._shell._runner import Runner
-from .._shell._seam import FailedThere, Refused, Terms
+from .._shell._seam import FailedThere, Freed, Refused, Terms
 from .._shell._steps import Spawn, Steps
 from . import _protocol as wire
 from ._client_books import ClientSeam, client_books
 from ._protocol import ProtocolError
+from ._questions import Questions
 from ._sockets import connect
 
 __all__ = ["ClientSeam", "Link", "LinkAdmission", "Reconnect", "client_books", "connected_runner"]
@@ -49,9 +50,6 @@ __all__ = ["ClientSeam", "Link", "LinkAdmission", "Reconnect", "client_books", "
 CONNECT_TIMEOUT = 10.0
 TOTALS_TIMEOUT = 5.0
 FINISH_TIMEOUT = 5.0
-
-#: Seconds a request that timed out waits for the daemon to say why.
-WHY_TIMEOUT = 1.0
 
 #: The longest key text sent (``repr(key)``, for ``cachebroker ps`` and errors).
 KEY_TEXT = 200
@@ -95,16 +93,6 @@ def _key_text(key: Hashable) -> str:
     except Exception:
         text = f"<{type(key).__name__}>"
     return text if len(text) <= KEY_TEXT else text[: KEY_TEXT - 3] + "..."
-
-
-class _Why:
-    """A question to the daemon: why a request has no room yet (``Link.ask_why``)."""
-
-    __slots__ = ("event", "text")
-
-    def __init__(self) -> None:
-        self.event = anyio.Event()
-        self.text: str | None = None
 
 
 class _Admission:
@@ -172,8 +160,8 @@ class Link:
         self.admitting: dict[int, _Admission] = {}
         #: The entries whose load waits for the daemon's grant (``LinkAdmission.admitting``).
         self.awaiting: dict[Entry, None] = {}
-        #: Questions asked of the daemon (``ask_why``), by request number.
-        self._whys: dict[int, _Why] = {}
+        #: What this process asked the daemon and awaits the answer to (why, free).
+        self.questions = Questions(self.post)
         self.dirty: dict[Entry, None] = {}
         #: Entries whose release the daemon asked for, and not yet told "releasing"
         #: (it need not be: the daemon waits for "gone" or "quarantined").
@@ -256,6 +244,7 @@ class Link:
         for admission in self.admitting.values():
             admission.error = self.error
             admission.event.set()
+        self.questions.unanswered()
         self.drained.set()
         if self._totals_wait is not None:
             self._totals_wait.set()
@@ -390,17 +379,15 @@ class Link:
                     admission.error = self._refusal(message.get("error"))
                     admission.event.set()
             elif op == "release":
-                self.give_up(wire.field(message, "id", int))
+                self.give_up(wire.field(message, "id", int), wire.reason(message))
             elif op == "want":
                 entry = self.by_id.get(wire.field(message, "id", int))
                 if entry is not None:  # (else it is gone: its report is on its way)
                     self.seam.want(entry)
             elif op == "why":
-                asked = self._whys.get(wire.field(message, "id", int))
-                if asked is not None:
-                    text = message.get("text")
-                    asked.text = f"{text:.2000}" if isinstance(text, str) else None
-                    asked.event.set()
+                self.questions.answer_why(message)
+            elif op == "freed":
+                self.questions.answer_freed(message)
             elif op == "totals":
                 self.totals = message
                 self._totals_had += 1
@@ -466,6 +453,7 @@ class Link:
         self.outbox, self.dirty = [], {}  # (what the next daemon hears is ``register``'s)
         if self._totals_wait is not None:
             self._totals_wait.set()
+        self.questions.unanswered()
         runner.emit("warning", ev.PEER_RECONNECTING, address=self.address, error=repr(cause))
         started = anyio.current_time()
         delay = settings.delay
@@ -575,14 +563,15 @@ class Link:
             error.leases = tuple((e.owner.name, e.key) for e in entries if e is not None)
         return error
 
-    def give_up(self, id: int) -> None:
+    def give_up(self, id: int, reason: Reason = Reason.CAPACITY) -> None:
         """The daemon asks for entry ``id``'s release: start it, unless the entry is in use."""
         entry = self.by_id.get(id)
         if entry is None:
             self.post({"op": "report", "id": id, "state": "gone"})
             return
+        self.questions.releasing(id, (entry.owner.name, entry.key))
         runner = self.runner
-        if runner.core.give_up(entry):
+        if runner.core.give_up(entry, reason):
             if entry.state is State.RELEASING and self.told.get(entry) != "releasing":
                 self.asked[entry] = True
             runner.apply()
@@ -684,21 +673,19 @@ class Link:
         self.told.pop(entry, None)
         self.priorities.pop(entry, None)
 
+    async def free(self, entry: Entry) -> Freed | None:
+        """Have the daemon free the next victims for ``entry``'s load, which ran out of
+        memory: idle entries of any process, in its policy's order. What it freed,
+        once their releases ended; ``None`` when the daemon cannot answer (gone, or
+        reconnecting): these books free their own instead."""
+        id = self.ids.get(entry)
+        if id is None or self.error is not None or not self.online:
+            return None
+        return await self.questions.free(id)
+
     def ask_why(self, entry: Entry) -> Callable[[], Awaitable[str | None]]:
         """Ask the daemon why ``entry``'s request has no room yet; what awaits its answer."""
-        id = self.ids[entry]
-        asked = self._whys[id] = _Why()
-        self.post({"op": "why", "id": id})
-
-        async def answer() -> str | None:
-            try:
-                with anyio.move_on_after(WHY_TIMEOUT):
-                    await asked.event.wait()
-            finally:
-                self._whys.pop(id, None)
-            return asked.text
-
-        return answer
+        return self.questions.ask_why(self.ids[entry])
 
     async def fetch_totals(self) -> dict[str, Any] | None:
         """The daemon's books per space now (``Stats.broker_used``); ``None`` when it is gone."""
@@ -720,6 +707,7 @@ def connected_runner(
     *,
     logger: object,
     oom_errors: tuple[type[BaseException], ...] = (),
+    oom_retries: int = 8,
     reconnect: Reconnect | None = None,
 ) -> Runner:
     """The runner of a broker connected to a shared one (``Broker.connect``).
@@ -738,7 +726,7 @@ def connected_runner(
         memory_wait=None,
         probe_interval=None,
         oom_errors=oom_errors or oom_error_types(()),
-        oom_retries=8,
+        oom_retries=oom_retries,
         alias_threshold=3,
         clock=None,
         logger=logger,
@@ -818,6 +806,9 @@ class LinkAdmission:
     async def admit(self, entry: Entry) -> BaseException | None:
         assert self.link is not None
         return await self.link.admit(entry)
+
+    async def free_for_retry(self, entry: Entry) -> Freed | None:
+        return None if self.link is None else await self.link.free(entry)
 
     def ask_why(self, entry: Entry) -> Callable[[str], Awaitable[str]] | None:
         link = self.link

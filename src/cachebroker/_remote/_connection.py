@@ -246,6 +246,8 @@ class Connection:
             self.daemon.registered(self)
         elif op == "why":
             self.why(wire.field(message, "id", int))
+        elif op == "free":
+            self.free(wire.field(message, "id", int))
         elif op == "cancel":
             self.cancel(wire.field(message, "id", int))
         elif op == "open":
@@ -420,6 +422,41 @@ class Connection:
             text = wire.rename(self.runner.core.why_no_room(entry), self.names())
         self.post({"op": "why", "id": id, "text": text})
 
+    def free(self, id: int) -> None:
+        """Load ``id`` ran out of memory there: free the next victims in the daemon's
+        books (idle entries of any process, in the policy's order, ``Core.free_for_retry``),
+        and answer ``freed`` once their releases ended. Nothing to free (or no such
+        load here): no victims, and the process's load fails with ``OutOfSpace``."""
+        mirror = self.mirrors.get(id)
+        block = None if mirror is None else mirror.space.block
+        entry = None if mirror is None or block is None else block.owner.entries.get(mirror.key)
+        victims: list[Entry] = []
+        if entry is not None and entry.state is State.LOADING:
+            victims = self.runner.core.free_for_retry(entry)
+            self.runner.apply()
+        names = self.names()
+        named = [
+            (
+                names.get(v.owner.name, v.owner.name),
+                repr(v.key),
+                v.key.id if isinstance(v.key, _Key) and v.owner.name in names else None,
+            )
+            for v in victims
+        ]
+        answer = {
+            "op": "freed",
+            "id": id,
+            **wire.encode_freed(named, {name for victim in victims for name in victim.charge}),
+        }
+        released = [v.shell.released for v in victims if v.shell.released is not None]
+        assert self.tg is not None
+        self.tg.start_soon(self._freed, answer, released)
+
+    async def _freed(self, answer: dict[str, Any], released: list[anyio.Event]) -> None:
+        for event in released:
+            await event.wait()
+        self.post(answer)
+
     def adopt(self, message: dict[str, Any]) -> None:
         """An entry the process holds since before this daemon started (``register``).
 
@@ -569,7 +606,7 @@ class Connection:
                 # Its release timed out here, then was refused there (leased meanwhile):
                 # it is an ordinary entry there, which forget() cannot write off. Ask
                 # again, now that it is idle; its "gone" is a late acknowledgement.
-                self.post({"op": "release", "id": mirror.id})
+                self._ask_release(mirror)
             if state == "gone" and entry.state is State.GONE:
                 self.mirrors.pop(mirror.id, None)
         self.runner.apply()
@@ -606,6 +643,15 @@ class Connection:
         mirror.reported.set()
         mirror.reported = anyio.Event()
 
+    def _ask_release(self, mirror: _Mirror) -> None:
+        """Ask the process to release ``mirror``'s entry, saying why (its stats count it so)."""
+        entry = mirror.entry
+        reason = None if entry is None else entry.shell.release_reason
+        message: dict[str, Any] = {"op": "release", "id": mirror.id}
+        if reason is not None:
+            message["reason"] = reason.value
+        self.post(message)
+
     async def _release(self, key: _Key, value: object) -> None:
         """The daemon's releaser for a process's entries: ask, and await the answer."""
         mirror = self.mirrors.get(key.id)
@@ -614,7 +660,7 @@ class Connection:
         if mirror.state in ("idle", "loading", "held"):
             # (held: leased again since, maybe right after offering it idle, which
             # the process then accepts to release at that lease's end)
-            self.post({"op": "release", "id": mirror.id})
+            self._ask_release(mirror)
         mirror.asking, mirror.refused = True, False
         try:
             while True:
@@ -637,7 +683,7 @@ class Connection:
                     # Refused (held when asked), then idle again before this task
                     # looked: the process will not release it unless asked again.
                     mirror.refused = False
-                    self.post({"op": "release", "id": mirror.id})
+                    self._ask_release(mirror)
                 await mirror.reported.wait()
         finally:
             mirror.asking = False

@@ -33,8 +33,9 @@ from anyio.abc import ByteSendStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _errors
-from .._core import Request
+from .._core import Reason, Request
 from .._errors import BrokerError
+from .._shell._seam import Freed
 
 __all__ = [
     "MAX_DEPTH",
@@ -45,13 +46,16 @@ __all__ = [
     "check_depth",
     "decode",
     "decode_error",
+    "decode_freed",
     "decode_request",
     "default_address",
     "encode",
     "encode_error",
+    "encode_freed",
     "encode_request",
     "greet",
     "peer",
+    "reason",
     "receive",
     "resolve_address",
     "send",
@@ -59,7 +63,7 @@ __all__ = [
 ]
 
 #: The protocol version: a daemon and a client must agree on it.
-VERSION = 2
+VERSION = 3
 
 #: The largest frame either side accepts (a ``ps`` reply of thousands of entries fits).
 MAX_FRAME = 16 << 20
@@ -243,6 +247,47 @@ def charge(message: Mapping[str, Any], name: str) -> dict[str, int] | None:
     ):
         raise ProtocolError(f"{message.get('op')!r} message: {name!r} is {shown(value)}")
     return value
+
+
+def reason(message: Mapping[str, Any]) -> Reason:
+    """A ``release`` message's ``reason`` (``capacity`` when it gives none)."""
+    value = message.get("reason", Reason.CAPACITY.value)
+    try:
+        return Reason(value)
+    except (ValueError, TypeError):
+        raise ProtocolError(f"'release' message: 'reason' is {shown(value)}") from None
+
+
+def encode_freed(victims: list[tuple[str, str, int | None]], spaces: set[str]) -> dict[str, Any]:
+    """The fields of a ``freed`` answer: each victim as ``[cache, key, id]`` (``id``:
+    the asking process's number of the entry when it was its own, else null), and
+    the spaces their bytes were in."""
+    return {"victims": [list(victim) for victim in victims], "spaces": sorted(spaces)}
+
+
+def decode_freed(
+    message: Mapping[str, Any], own: Callable[[int], tuple[str, Hashable] | None]
+) -> Freed:
+    """A ``freed`` answer, its fields checked (``ProtocolError`` otherwise); ``own``
+    names an entry of the asking process by its number, as the process knows it."""
+    victims = message.get("victims")
+    if not isinstance(victims, list) or not all(
+        isinstance(victim, list)
+        and len(victim) == 3
+        and isinstance(victim[0], str)
+        and isinstance(victim[1], str)
+        and (victim[2] is None or type(victim[2]) is int)
+        for victim in victims
+    ):
+        raise ProtocolError(f"'freed' message: 'victims' is {shown(victims)}")
+    spaces = message.get("spaces")
+    if not isinstance(spaces, list) or not all(isinstance(name, str) for name in spaces):
+        raise ProtocolError(f"'freed' message: 'spaces' is {shown(spaces)}")
+    named: list[tuple[str, Hashable]] = []
+    for cache, key, id in victims:
+        mine = None if id is None else own(id)
+        named.append(mine if mine is not None else (cache, key))
+    return Freed(tuple(named), frozenset(spaces))
 
 
 def encode_request(request: Request) -> dict[str, Any]:

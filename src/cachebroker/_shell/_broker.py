@@ -37,6 +37,7 @@ from ._config import (
     lease_slots,
     non_negative_seconds,
     oom_error_types,
+    oom_retry_bound,
     positive_seconds,
     remembered_sizes,
     resolve_mover,
@@ -156,8 +157,7 @@ class Broker:
         memory_wait = positive_seconds(memory_wait, "memory_wait") if memory_wait else None
         checked_probe_interval = positive_seconds(probe_interval, "probe_interval")
         oom_types = oom_error_types(oom_errors)
-        if isinstance(oom_retries, bool) or not isinstance(oom_retries, int) or oom_retries < 0:
-            raise InvalidArgument(f"oom_retries must be a non-negative int, got {oom_retries!r}")
+        oom_retries = oom_retry_bound(oom_retries)
         idle_ttl = positive_seconds(idle_ttl, "idle_ttl", inf_is_none=True)
         release_timeout = positive_seconds(release_timeout, "release_timeout", inf_is_none=True)
         blocking_warning = positive_seconds(blocking_warning, "blocking_warning", inf_is_none=True)
@@ -207,6 +207,7 @@ class Broker:
         *,
         logger: Any = None,
         oom_errors: type[BaseException] | tuple[type[BaseException], ...] = (),
+        oom_retries: int = 8,
         reconnect: bool = True,
         reconnect_delay: float = 0.05,
         reconnect_max_delay: float = 1.0,
@@ -236,8 +237,9 @@ class Broker:
         Args:
             address: The daemon's socket path.
             logger: As for ``Broker``.
-            oom_errors: As for ``Broker``: free and retry frees this process's
-                own idle entries.
+            oom_errors: As for ``Broker``: free and retry frees idle entries of
+                any process, in the daemon's policy order, then retries.
+            oom_retries: As for ``Broker``.
             reconnect: Whether to connect again when the daemon goes away.
             reconnect_delay: Seconds before the first try; each failed try
                 doubles the wait ...
@@ -246,7 +248,7 @@ class Broker:
                 gives up (``None``: it never does).
 
         .. versionchanged:: 0.1.0
-           ``reconnect`` and its settings.
+           ``reconnect`` and its settings; ``oom_retries``.
         """
         from .._remote._client import Reconnect, connected_runner  # (only when asked for)
 
@@ -264,6 +266,7 @@ class Broker:
             _address(address),
             logger=_logging.check_logger(logger),
             oom_errors=oom_error_types(oom_errors),
+            oom_retries=oom_retry_bound(oom_retries),
             reconnect=Reconnect(reconnect, delay, max_delay, timeout),
         )
         broker = cls.__new__(cls)
@@ -573,7 +576,7 @@ class Broker:
             evictions=core.evictions[Reason.CAPACITY]
             + core.evictions[Reason.IDLE]
             + core.evictions[Reason.RETRY],
-            oom_retries=core.oom_retries,
+            oom_retries=core.oom_retries + self._runner.loads.shared_retries,
             aliases=tuple(core.aliases()),
             releases={reason.value: n for reason, n in core.evictions.items()},
             releases_failed=core.releases_failed,

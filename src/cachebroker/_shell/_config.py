@@ -276,6 +276,13 @@ def oom_error_types(
     return (MemoryError, OutOfSpace, *given)
 
 
+def oom_retry_bound(retries: object) -> int:
+    """``oom_retries``, checked: how many times one load may be retried after freeing."""
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise InvalidArgument(f"oom_retries must be a non-negative int, got {retries!r}")
+    return retries
+
+
 def env_arguments(
     environ: Mapping[str, str] | None, overrides: Mapping[str, Any]
 ) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import anyio
@@ -46,6 +46,7 @@ class Loads:
         "_remote",
         "_spawn",
         "_steps",
+        "shared_retries",
     )
 
     def __init__(
@@ -71,6 +72,9 @@ class Loads:
         self._oom_errors = oom_errors
         self._oom_retries = oom_retries
         self._alias_threshold = alias_threshold
+        #: Retries after the shared books freed victims (``Stats.oom_retries`` beside the
+        #: books' own count of theirs).
+        self.shared_retries = 0
 
     def start(self, entry: Entry) -> None:
         """``StartLoad``: run ``entry``'s loader in its cache's block."""
@@ -198,7 +202,6 @@ class Loads:
         Bounded by ``oom_retries``; when nothing is left to free (or the bound
         is reached) raises ``OutOfSpace`` chained to the last out-of-memory error.
         """
-        steps = self._steps
         retries = 0
         freed: set[str] = set()
         while True:
@@ -209,9 +212,8 @@ class Loads:
                     value = await self._load_in_thread(entry, slot)
             except self._oom_errors as exc:
                 room = retries < self._oom_retries
-                victims = steps.core.free_for_retry(entry) if room else []
-                steps.apply()
-                if not victims:
+                victims = await self._free_for_retry(entry, exc, retries + 1) if room else None
+                if victims is None:
                     why = (
                         "nothing is left to free"
                         if room
@@ -221,24 +223,48 @@ class Loads:
                         f"loading {entry.owner.name}:{entry.key!r} ran out of memory and {why}"
                     ) from exc
                 retries += 1
-                steps.emit(
-                    "warning",
-                    ev.LOAD_RETRY,
-                    cache=entry.owner.name,
-                    key=entry.key,
-                    attempt=retries,
-                    error=repr(exc),
-                    freed=[(v.owner.name, v.key) for v in victims],
-                )
-                freed = {name for victim in victims for name in victim.charge}
-                for victim in victims:
-                    released = victim.shell.released
-                    if released is not None:
-                        await released.wait()
+                freed = victims
             else:
                 if retries and entry.charge:
                     self._learn_aliases(freed - set(entry.charge), entry)
                 return value
+
+    async def _free_for_retry(
+        self, entry: Entry, exc: BaseException, attempt: int
+    ) -> set[str] | None:
+        """Free the next victims for ``entry``'s retry and await their releases: the
+        spaces they were in (``None``: nothing is left to free).
+
+        The shared books free, when the broker answers to them (any process's
+        idle entries, in their policy's order); else these books.
+        """
+        steps = self._steps
+        shared = await self._remote.free_for_retry(entry)
+        if shared is not None:
+            victims: list[tuple[str, Hashable]] = list(shared.victims)
+            spaces = set(shared.spaces)
+            released: list[anyio.Event] = []
+            self.shared_retries += bool(victims)
+        else:
+            chosen = steps.core.free_for_retry(entry)
+            steps.apply()
+            victims = [(v.owner.name, v.key) for v in chosen]
+            spaces = {name for victim in chosen for name in victim.charge}
+            released = [v.shell.released for v in chosen if v.shell.released is not None]
+        if not victims:
+            return None
+        steps.emit(
+            "warning",
+            ev.LOAD_RETRY,
+            cache=entry.owner.name,
+            key=entry.key,
+            attempt=attempt,
+            error=repr(exc),
+            freed=victims,
+        )
+        for event in released:
+            await event.wait()
+        return spaces
 
     def _learn_aliases(self, freed: set[str], entry: Entry) -> None:
         """The load fit only after freeing in ``freed``: evidence of one memory."""

@@ -78,6 +78,7 @@ class Releases:
         slot: Slot = entry.shell
         slot.released = anyio.Event()
         slot.release_started = self._steps.clock()
+        slot.release_reason = reason
         if entry.state is State.QUARANTINED:  # given up before it could start (Loads)
             slot.released.set()
             return

@@ -27,7 +27,7 @@ from ._actor import Block
 from ._config import ReleaseFunction
 from ._steps import Spawn, Steps
 
-__all__ = ["LOCAL", "FailedThere", "Local", "Refused", "Relay", "Remote", "Terms"]
+__all__ = ["LOCAL", "FailedThere", "Freed", "Local", "Refused", "Relay", "Remote", "Terms"]
 
 
 @attrs.frozen
@@ -50,6 +50,20 @@ class Refused:
 
     holder: object
     then: Callable[[], None]
+
+
+@attrs.frozen
+class Freed:
+    """What another broker's books freed for a load that ran out of memory (``free_for_retry``).
+
+    ``victims``: each freed entry as ``(cache, key)``, the cache named as the
+    owning process's is in the shared books (``name@pid``) when it is another
+    process's; ``spaces``: the spaces their bytes were in. No victims: nothing
+    is left to free.
+    """
+
+    victims: tuple[tuple[str, Hashable], ...]
+    spaces: frozenset[str]
 
 
 @attrs.frozen
@@ -101,6 +115,13 @@ class Remote(Protocol):
 
     async def admit(self, entry: Entry) -> BaseException | None:
         """What a granted load awaits before it runs; the error that refused it, if any."""
+
+    async def free_for_retry(self, entry: Entry) -> Freed | None:
+        """``entry``'s load ran out of memory: free the next victims on the shared books.
+
+        Returns once their releases ended (whoever owns them); ``None``: these
+        books free (``Core.free_for_retry``), as in one process.
+        """
 
     def ask_why(self, entry: Entry) -> Callable[[str], Awaitable[str]] | None:
         """For a request that timed out waiting for another broker's grant: ask it why.
@@ -154,6 +175,9 @@ class Local:
 
     async def admit(self, entry: Entry) -> BaseException | None:
         return None
+
+    async def free_for_retry(self, entry: Entry) -> Freed | None:
+        return None  # the books free their own victims
 
     def ask_why(self, entry: Entry) -> Callable[[str], Awaitable[str]] | None:
         return None  # the books know why themselves

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from .._core import Core, Entry
+from .._core import Core, Entry, Reason
 from .._errors import BrokerError, InvalidArgument, LoadFailed
 from .._sizes import parse_bytes, parse_size
 from ._backend import Fault, classify
@@ -93,6 +93,7 @@ class Slot:
         "moving_to",
         "placed",
         "queued_at",
+        "release_reason",
         "release_started",
         "released",
         "scope",
@@ -129,6 +130,8 @@ class Slot:
         #: The space a move of the entry goes to while it runs (tiers).
         self.moving_to: str | None = None
         self.release_started = now
+        #: Why its release was asked (a shared broker tells the owning process).
+        self.release_reason: Reason | None = None
         self.timed_out = False
 
 
