@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
+import anyio
 import pytest
 
 from cachebroker import Broker, Cache, OutOfSpace
-from tests.brokers import open_broker
+from tests.brokers import daemon_of, open_broker, until
 from tests.helpers import Device
 
 pytestmark = pytest.mark.anyio
@@ -102,3 +103,61 @@ def test_bad_oom_settings_are_rejected() -> None:
         Broker(budget=1, oom_retries=-1)
     with pytest.raises(ValueError, match="oom_retries must be a non-negative int, got True"):
         Broker.connect("/nonexistent.sock", oom_retries=True)
+
+
+async def test_a_load_cancelled_while_victims_are_freed_leaves_nothing_behind(kind: str) -> None:
+    """A load out of memory whose acquire is cancelled while its victim's release runs:
+    the victim's release still ends (its bytes come back), the load leaves the books,
+    and a later acquire of the key loads afresh; connected, the daemon's late answer
+    to the cancelled load is ignored and its books agree."""
+    device = Device(100)
+    go_on = anyio.Event()
+    releasing = anyio.Event()
+
+    async def slow_release(key: str, value: tuple[str, int]) -> None:
+        releasing.set()
+        await go_on.wait()
+        await device.release(key, value)
+
+    async with open_broker(kind, 100) as broker, broker.cache("gpu", slow_release) as cache:
+        await load_all(cache, device, ("a", 70))
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+
+                async def cancel_once_releasing() -> None:
+                    await releasing.wait()
+                    scope.cancel()
+
+                tg.start_soon(cancel_once_releasing)
+                await cache.acquire("b", load=device.loader("b", 50), size=20)
+        assert scope.cancelled_caught
+        go_on.set()
+        await until(lambda: device.freed == ["a"])
+        async with cache.acquire("b", load=device.loader("b", 50), size=20) as lease:
+            assert lease.value == ("b", 50)
+        await until(lambda: broker.stats_nowait().used == {"default": 20})
+        daemon = daemon_of(broker)
+        if daemon is not None:
+            await until(lambda: daemon.totals()["used"] == {"default": 20})
+
+
+async def test_two_loads_out_of_memory_at_once_free_one_victim_each(kind: str) -> None:
+    """Two loads run out of memory together: each gets its own victim (a victim
+    being released is no victim any more), both retry and succeed."""
+    device = Device(100)
+    async with open_broker(kind, 200) as broker, broker.cache("gpu", device) as cache:
+        await load_all(cache, device, ("a", 40), ("c", 40))
+        got: list[object] = []
+
+        async def load(key: str) -> None:
+            async with cache.acquire(key, load=device.loader(key, 30), size=10) as lease:
+                got.append(lease.value)
+                await until(lambda: len(got) == 2)  # (both held at once)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load, "b")
+            tg.start_soon(load, "d")
+        assert sorted(got) == [("b", 30), ("d", 30)]  # type: ignore[type-var]
+        assert sorted(device.freed[:2]) == ["a", "c"]
+        stats = await broker.stats()
+        assert stats.oom_retries == 2, stats
