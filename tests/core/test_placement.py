@@ -36,6 +36,7 @@ from cachebroker import (
 from cachebroker._core import Entry, Request, State, Ticket, _transitions
 from cachebroker._policies import GDSF, make_policy
 from cachebroker._remote._daemon import Daemon, DaemonBroker
+from tests.brokers import open_broker
 from tests.harness import Harness, waits_aside
 from tests.helpers import socket_path, watch
 
@@ -250,10 +251,10 @@ def device_loader(key: str, seen: list[str]) -> Any:
 
 
 @pytest.mark.anyio
-async def test_the_loader_is_told_where_its_value_was_placed() -> None:
+async def test_the_loader_is_told_where_its_value_was_placed(kind: str) -> None:
     seen: list[str] = []
     async with (
-        Broker({"cuda:0": "10GiB", "cuda:1": "10GiB"}) as broker,
+        open_broker(kind, {"cuda:0": "10GiB", "cuda:1": "10GiB"}) as broker,
         broker.cache("m", release) as cache,
     ):
         spaces = ["cuda:0", "cuda:1"]
@@ -268,9 +269,11 @@ async def test_the_loader_is_told_where_its_value_was_placed() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_plain_loader_in_a_thread_and_a_plain_measure_follow_the_placement() -> None:
+async def test_a_plain_loader_in_a_thread_and_a_plain_measure_follow_the_placement(
+    kind: str,
+) -> None:
     async with (
-        Broker({"cuda:0": "10GiB", "cuda:1": "10GiB"}) as broker,
+        open_broker(kind, {"cuda:0": "10GiB", "cuda:1": "10GiB"}) as broker,
         broker.cache("m", release) as cache,
     ):
         blocker = await cache.acquire("x", load=lambda space: space, size="8GiB", spaces=["cuda:0"])
@@ -288,9 +291,9 @@ async def test_a_plain_loader_in_a_thread_and_a_plain_measure_follow_the_placeme
 
 
 @pytest.mark.anyio
-async def test_prefetch_places_too() -> None:
+async def test_prefetch_places_too(kind: str) -> None:
     async with (
-        Broker({"cuda:0": "10GiB", "cuda:1": "10GiB"}) as broker,
+        open_broker(kind, {"cuda:0": "10GiB", "cuda:1": "10GiB"}) as broker,
         broker.cache("m", release) as cache,
     ):
         await cache.prefetch("a", load=lambda space: space, size="8GiB", spaces=["cuda:0"])
@@ -316,10 +319,10 @@ async def test_prefetch_places_too() -> None:
 )
 @pytest.mark.anyio
 async def test_bad_spaces_are_refused_naming_the_entry(
-    spaces: Any, size: Any, error: type[Exception], message: str
+    spaces: Any, size: Any, error: type[Exception], message: str, kind: str
 ) -> None:
     async with (
-        Broker({"cuda:0": "10GiB", "cuda:1": "10GiB"}) as broker,
+        open_broker(kind, {"cuda:0": "10GiB", "cuda:1": "10GiB"}) as broker,
         broker.cache("m", release) as cache,
     ):
         with pytest.raises(error, match=message):
@@ -1024,8 +1027,10 @@ async def test_the_loader_is_told_one_of_the_names_it_gave_when_spaces_are_alias
 
 
 @pytest.mark.anyio
-async def test_a_loader_that_takes_no_space_fails_the_acquire_with_its_type_error() -> None:
-    async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
+async def test_a_loader_that_takes_no_space_fails_the_acquire_with_its_type_error(
+    kind: str,
+) -> None:
+    async with open_broker(kind, TWO_GPUS) as broker, broker.cache("m", discard) as cache:
 
         def no_space() -> str:
             return "v"
@@ -1042,8 +1047,8 @@ async def test_a_loader_that_takes_no_space_fails_the_acquire_with_its_type_erro
 
 
 @pytest.mark.anyio
-async def test_a_bad_loader_with_spaces_is_told_it_must_take_the_space() -> None:
-    async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
+async def test_a_bad_loader_with_spaces_is_told_it_must_take_the_space(kind: str) -> None:
+    async with open_broker(kind, TWO_GPUS) as broker, broker.cache("m", discard) as cache:
         not_callable: Any = 42
         with pytest.raises(TypeError) as caught:
             cache.acquire("k", load=not_callable, size="1GiB", spaces=["cuda:0"])
@@ -1051,12 +1056,12 @@ async def test_a_bad_loader_with_spaces_is_told_it_must_take_the_space() -> None
 
 
 @pytest.mark.anyio
-async def test_spaces_as_a_tuple_or_the_default_space_and_not_as_a_generator() -> None:
+async def test_spaces_as_a_tuple_or_the_default_space_and_not_as_a_generator(kind: str) -> None:
     seen: list[str] = []
-    async with Broker("10GiB") as broker, broker.cache("m", discard) as cache:
+    async with open_broker(kind, "10GiB") as broker, broker.cache("m", discard) as cache:
         async with cache.acquire("a", load=told(seen), size="1GiB", spaces=("default",)) as lease:
             assert lease.value == "default"
-    async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
+    async with open_broker(kind, TWO_GPUS) as broker, broker.cache("m", discard) as cache:
         async with cache.acquire(
             "b", load=told(seen), size="1GiB", spaces=("cuda:1", "cuda:0")
         ) as lease:
@@ -1075,8 +1080,8 @@ class Bytes(int):
 
 
 @pytest.mark.anyio
-async def test_spaces_take_the_sizes_size_takes_without_them() -> None:
-    async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
+async def test_spaces_take_the_sizes_size_takes_without_them(kind: str) -> None:
+    async with open_broker(kind, TWO_GPUS) as broker, broker.cache("m", discard) as cache:
         async with cache.acquire("a", load=lambda: "A", size={"cuda:0": Bytes(10)}):
             pass
         async with cache.acquire(
@@ -1086,8 +1091,8 @@ async def test_spaces_take_the_sizes_size_takes_without_them() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_placed_request_that_times_out_says_it_waited_for_space() -> None:
-    async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
+async def test_a_placed_request_that_times_out_says_it_waited_for_space(kind: str) -> None:
+    async with open_broker(kind, TWO_GPUS) as broker, broker.cache("m", discard) as cache:
         async with both_gpus_held(cache):
             with pytest.raises(AcquireTimeout) as caught:
                 await cache.acquire(
@@ -1099,8 +1104,8 @@ async def test_a_placed_request_that_times_out_says_it_waited_for_space() -> Non
 
 
 @pytest.mark.anyio
-async def test_a_placed_request_that_times_out_names_every_space_it_waited_for() -> None:
-    async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
+async def test_a_placed_request_that_times_out_names_every_space_it_waited_for(kind: str) -> None:
+    async with open_broker(kind, TWO_GPUS) as broker, broker.cache("m", discard) as cache:
         async with both_gpus_held(cache):
             with pytest.raises(AcquireTimeout) as caught:
                 await cache.acquire(
@@ -1110,9 +1115,9 @@ async def test_a_placed_request_that_times_out_names_every_space_it_waited_for()
 
 
 @pytest.mark.anyio
-async def test_a_cancelled_placed_waiter_gives_up_its_place_in_every_line() -> None:
+async def test_a_cancelled_placed_waiter_gives_up_its_place_in_every_line(kind: str) -> None:
     seen: list[str] = []
-    async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
+    async with open_broker(kind, TWO_GPUS) as broker, broker.cache("m", discard) as cache:
         async with both_gpus_held(cache), anyio.create_task_group() as tg:
 
             async def waiting(count: int) -> bool:
@@ -1145,9 +1150,9 @@ async def test_a_cancelled_placed_waiter_gives_up_its_place_in_every_line() -> N
 
 
 @pytest.mark.anyio
-async def test_a_prefetch_with_spaces_is_hit_by_an_acquire_without() -> None:
+async def test_a_prefetch_with_spaces_is_hit_by_an_acquire_without(kind: str) -> None:
     seen: list[str] = []
-    async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
+    async with open_broker(kind, TWO_GPUS) as broker, broker.cache("m", discard) as cache:
         await cache.prefetch("x", load=told(seen), size="8GiB", spaces=["cuda:0"])
         await cache.prefetch("a", load=told(seen), size="6GiB", spaces=["cuda:0", "cuda:1"])
         async with cache.acquire("a", load=lambda: "unused", size={"cuda:0": "6GiB"}) as lease:
@@ -1158,8 +1163,10 @@ async def test_a_prefetch_with_spaces_is_hit_by_an_acquire_without() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_plain_loader_in_a_thread_measured_larger_is_repaid_where_it_was_placed() -> None:
-    async with Broker(TWO_GPUS) as broker, broker.cache("m", discard) as cache:
+async def test_a_plain_loader_in_a_thread_measured_larger_is_repaid_where_it_was_placed(
+    kind: str,
+) -> None:
+    async with open_broker(kind, TWO_GPUS) as broker, broker.cache("m", discard) as cache:
         await cache.prefetch("x", load=lambda space: space, size="3GiB", spaces=["cuda:0"])
         await cache.prefetch("y", load=lambda space: space, size="9GiB", spaces=["cuda:1"])
         async with cache.acquire(
@@ -1242,26 +1249,65 @@ async def serving() -> AsyncIterator[Daemon]:
 
 
 @pytest.mark.anyio
-async def test_a_connected_broker_refuses_spaces_for_a_load_and_a_prefetch() -> None:
+async def test_a_connected_broker_is_placed_by_the_daemon_s_books() -> None:
+    """Placement across processes: ``two``'s own books see nothing on either GPU (they
+    would choose ``cuda:0``); the daemon's see ``one``'s 80 on ``cuda:0`` and place
+    ``two``'s 60 on ``cuda:1``, which ``two``'s loader is told, and where both books
+    charge it."""
+    seen: list[str] = []
     async with (
         serving() as daemon,
-        Broker.connect(daemon.address) as broker,
-        broker.cache("m", discard) as cache,
+        Broker.connect(daemon.address) as one,
+        Broker.connect(daemon.address) as two,
+        one.cache("m", discard) as first,
+        two.cache("m", discard) as second,
     ):
-        with pytest.raises(InvalidArgument, match="spaces="):
-            await cache.acquire("a", load=told([]), size=10, spaces=["cuda:0", "cuda:1"])
-        with pytest.raises(InvalidArgument, match="spaces="):
-            await cache.prefetch("a", load=told([]), size=10, spaces=["cuda:0"])
-        async with cache.acquire("a", load=lambda: "A", size={"cuda:1": 10}) as lease:
-            assert lease.value == "A"
-        with pytest.raises(InvalidArgument, match="spaces="):
-            await cache.prefetch("a", load=told([]), size=10, spaces=["cuda:1"])
-        assert (await broker.stats()).waiting == 0
+        async with first.acquire("x", load=lambda: "X", size={"cuda:0": 80}):
+            places = ["cuda:0", "cuda:1"]
+            async with second.acquire("y", load=told(seen), size=60, spaces=places) as lease:
+                assert lease.value == "cuda:1"
+                assert {i.key: i.charge for i in await two.entries()} == {"y": {"cuda:1": 60}}
+                charged = {e["key"]: e["charge"] for e in daemon.listing()["entries"]}
+                assert charged == {"'x'": {"cuda:0": 80}, "'y'": {"cuda:1": 60}}
+            await second.prefetch("z", load=told(seen), size=30, spaces=places)
+        assert seen == ["cuda:1", "cuda:1"]  # (z: 80 + 30 would not fit on cuda:0)
+        assert (await two.stats()).used == {"cuda:0": 0, "cuda:1": 90}
+        assert (await two.stats()).broker_used == {"cuda:0": 80, "cuda:1": 90}
 
 
 @pytest.mark.anyio
-async def test_a_connected_broker_refuses_spaces_on_a_hit_too() -> None:
-    refused: BaseException | None = None
+async def test_a_connected_placed_waiter_goes_where_room_appears_first() -> None:
+    """Both GPUs full with ``one``'s leases: ``two``'s placed request waits at the
+    daemon in both lines, and is placed on the GPU whose lease ends first."""
+    seen: list[str] = []
+    async with (
+        serving() as daemon,
+        Broker.connect(daemon.address) as one,
+        Broker.connect(daemon.address) as two,
+        one.cache("m", discard) as first,
+        two.cache("m", discard) as second,
+    ):
+        a = await first.acquire("a", load=lambda: "A", size={"cuda:0": 90})
+        b = await first.acquire("b", load=lambda: "B", size={"cuda:1": 90})
+        async with anyio.create_task_group() as tg:
+
+            async def placed() -> None:
+                async with second.acquire(
+                    "c", load=told(seen), size=50, spaces=["cuda:0", "cuda:1"]
+                ) as lease:
+                    assert lease.value == "cuda:1"
+
+            tg.start_soon(placed)
+            with anyio.fail_after(10):
+                while not any(e["state"] == "waiting" for e in daemon.listing()["entries"]):
+                    await anyio.sleep(0.001)
+            await b.release()  # (b, idle now, is evicted for c: cuda:1 has room first)
+        await a.release()
+        assert seen == ["cuda:1"]
+
+
+@pytest.mark.anyio
+async def test_a_connected_broker_hits_with_spaces_too() -> None:
     async with (
         serving() as daemon,
         Broker.connect(daemon.address) as broker,
@@ -1269,9 +1315,5 @@ async def test_a_connected_broker_refuses_spaces_on_a_hit_too() -> None:
     ):
         async with cache.acquire("a", load=lambda: "A", size={"cuda:1": 10}):
             pass
-        try:  # (refused when the acquire is made, as a bad argument is)
-            cache.acquire("a", load=told([]), size=10, spaces=["cuda:1"])
-        except InvalidArgument as exc:
-            refused = exc
-    # (Asserted outside the daemon's task group, which would wrap the failure.)
-    assert isinstance(refused, InvalidArgument) and "spaces=" in str(refused)
+        async with cache.acquire("a", load=told([]), size=10, spaces=["cuda:1"]) as lease:
+            assert lease.value == "A"

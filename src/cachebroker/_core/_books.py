@@ -853,6 +853,15 @@ class Core(Books):
         ``InvalidArgument`` if that would make the tiers a circle."""
         _aliases.merge_spaces(self, keep, other)
 
+    def place(self, entry: Entry, space: str) -> None:
+        """Books above these ones (a shared broker) chose ``space`` among ``entry``'s
+        places for its load: its reservation moves there before the load runs."""
+        name = self.canon.get(space, space)
+        if entry.state is not State.LOADING or entry.places is None or name in entry.charge:
+            return
+        _transitions.recharge(self, entry, {name: sum(entry.charge.values())})
+        entry.need = dict(entry.charge)
+
     def owner_space(self, entry: Entry, space: str) -> str:
         """``space`` by the name ``entry``'s owner gave it (``_tiers.owner_space``)."""
         return _tiers.owner_space(self, entry, space)

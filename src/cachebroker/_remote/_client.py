@@ -98,12 +98,14 @@ def _key_text(key: Hashable) -> str:
 class _Admission:
     """A load waiting for the daemon's grant: its ``acquire``, sent again after a restart."""
 
-    __slots__ = ("error", "event", "message")
+    __slots__ = ("error", "event", "message", "space")
 
     def __init__(self, message: dict[str, Any]) -> None:
         self.event = anyio.Event()
         self.error: BaseException | None = None
         self.message = message
+        #: Where the daemon placed it (``spaces=``), with its grant.
+        self.space: str | None = None
 
 
 @attrs.frozen
@@ -371,7 +373,11 @@ class Link:
             op = message["op"]
             if op == "grant":
                 admission = self.admitting.get(wire.field(message, "id", int))
+                space = message.get("space")
+                if space is not None and space not in self.runner.core.spaces:
+                    raise ProtocolError(f"'grant' message: 'space' is {wire.shown(space)}")
                 if admission is not None:
+                    admission.space = space
                     admission.event.set()
             elif op == "fail":
                 admission = self.admitting.get(wire.field(message, "id", int))
@@ -608,11 +614,12 @@ class Link:
         # load), its declared cost (finite: Cache.acquire checked it), and its
         # priority, by which the shared broker evicts too: as it is when requested,
         # and as later acquires change it (reported with its state: ``collect``).
+        places = entry.places
+        need = None if unknown else dict(entry.need)
+        if places is not None and need is not None:  # the daemon chooses (``place``)
+            need = {places[0]: sum(need.values())}
         request = Request(
-            entry.key,
-            None if unknown else dict(entry.need),
-            cost=entry.declared_cost,
-            priority=entry.priority,
+            entry.key, need, cost=entry.declared_cost, priority=entry.priority, places=places
         )
         message = {
             "op": "acquire",
@@ -655,6 +662,8 @@ class Link:
             await anyio.lowlevel.checkpoint_if_cancelled()
             return BrokerClosed("the request was withdrawn")
         self.told[entry] = "loading"
+        if admission.space is not None:  # the daemon chose among its places
+            self.runner.core.place(entry, admission.space)
         return None
 
     def withdraw(self, entry: Entry) -> None:
@@ -744,9 +753,6 @@ class LinkAdmission:
     """
 
     __slots__ = ("_runner", "address", "link", "opened", "reconnect", "shared_used")
-
-    #: (The shared broker's books would have to choose among places: not yet.)
-    placement = False
 
     admits_elsewhere = True
 

@@ -384,13 +384,20 @@ class Connection:
         mirror.settled.set()
         self.reconcile(mirror)
 
-    async def _load(self, mirror: _Mirror, *, grant: bool = True) -> dict[str, int]:
+    async def _load(
+        self, mirror: _Mirror, space: str | None = None, *, grant: bool = True
+    ) -> dict[str, int]:
         """The daemon's load of a process's entry: the grant, then the process's outcome.
 
-        An adopted entry (``adopt``) was granted by the daemon before this one.
+        ``space``: where these books placed it, as a loader given ``spaces=`` is
+        told; the grant tells the process. An adopted entry (``adopt``) was
+        granted by the daemon before this one.
         """
         if grant:
-            self.post({"op": "grant", "id": mirror.id})
+            message: dict[str, Any] = {"op": "grant", "id": mirror.id}
+            if space is not None:
+                message["space"] = space
+            self.post(message)
         mirror.granted = True
         while mirror.state == "loading":
             await mirror.reported.wait()

@@ -294,7 +294,14 @@ def encode_request(request: Request) -> dict[str, Any]:
     """The fields of an ``acquire`` message that carry ``request``: what the daemon's
     books weigh of it (its size, ``None`` when measured after the load; the reload
     cost it declared; its eviction priority)."""
-    return {"need": request.need, "cost": request.cost, "priority": request.priority}
+    fields: dict[str, Any] = {
+        "need": request.need,
+        "cost": request.cost,
+        "priority": request.priority,
+    }
+    if request.places is not None:  # (``need``: the size in the first of them)
+        fields["places"] = list(request.places)
+    return fields
 
 
 def decode_request(
@@ -314,7 +321,25 @@ def decode_request(
     priority = message.get("priority", 0)
     if type(priority) is not int:
         raise ProtocolError(f"'acquire' message: 'priority' is {shown(priority)}")
-    return Request(key, need, load=load, measure=measure, cost=cost, priority=priority)
+    places = message.get("places")
+    if places is not None and (
+        not isinstance(places, list)
+        or not places
+        or not all(isinstance(name, str) for name in places)
+        or len(set(places)) != len(places)
+        or need is None
+        or list(need) != places[:1]
+    ):
+        raise ProtocolError(f"'acquire' message: 'places' is {shown(places)} (need {shown(need)})")
+    return Request(
+        key,
+        need,
+        load=load,
+        measure=measure,
+        cost=cost,
+        priority=priority,
+        places=None if places is None else tuple(places),
+    )
 
 
 #: The errors a daemon may refuse a request with (by class name).

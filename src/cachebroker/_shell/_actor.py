@@ -125,9 +125,6 @@ class Actor(Protocol):
     def running(self) -> bool:
         """Whether the broker runs (between its start and its close)."""
 
-    #: Whether the books choose among an acquire's places (``spaces=``).
-    placement: bool
-
     def apply(self) -> None:
         """Perform the effects the core's last steps queued (never awaits)."""
 

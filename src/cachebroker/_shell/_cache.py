@@ -491,12 +491,6 @@ class Cache:
                 f"is chosen, as bytes or a string like '16GiB', got {size!r}"
             )
         parse_bytes(size)
-        if not self._actor.placement:
-            raise InvalidArgument(
-                f"{what} with spaces=: choosing among spaces needs an in-process broker; "
-                "a broker connected to 'cachebroker serve' cannot choose yet (give one "
-                "space in size= instead)"
-            )
         return places
 
     def _check_size(self, key: Hashable, size: object) -> None:

@@ -80,10 +80,6 @@ class Loads:
         """``StartLoad``: run ``entry``'s loader in its cache's block."""
         self._remote.load_started(entry)
         cache = self._caches[entry.owner]
-        slot: Slot = entry.shell
-        if slot.placed:  # the loader learns where, by the name it gave
-            space = self._steps.core.owner_space(entry, next(iter(entry.charge)))
-            slot.load = functools.partial(slot.load, space)
         if not self._remote.admits_elsewhere:
             self._granted(entry)
         cache.spawn(self._run, entry, name=f"cachebroker load {cache.name}:{entry.key!r}")
@@ -119,6 +115,9 @@ class Loads:
                 return
             if self._remote.admits_elsewhere:
                 self._granted(entry)
+            if slot.placed:  # the loader learns where (once granted), by the name it gave
+                space = steps.core.owner_space(entry, next(iter(entry.charge)))
+                slot.load = functools.partial(slot.load, space)
             steps.emit(
                 "info",
                 ev.LOAD_START,

@@ -98,7 +98,6 @@ class Runner:
         "listeners",
         "loads",
         "log",
-        "placement",
         "probes",
         "release_timeout",
         "releases",
@@ -154,8 +153,6 @@ class Runner:
         self.trace = False
         self.listeners: list[Listener] = []
         self.remote = remote
-        #: Whether these books choose among an acquire's places (``spaces=``).
-        self.placement = remote.placement
         self.probes = Probes(self, probes, memory_wait, logger)
         self.held_leases = HeldLeases(self, remote, lease_warning)
         self.sweeper = Sweeper(self, self.probes, self.held_leases, probe_interval)

@@ -78,10 +78,6 @@ class Remote(Protocol):
     """The runner's other side: the broker whose books this one answers to, or that it serves."""
 
     @property
-    def placement(self) -> bool:
-        """Whether these books choose among an acquire's places (``spaces=``)."""
-
-    @property
     def admits_elsewhere(self) -> bool:
         """Whether a load these books granted waits for another broker's grant (``admit``)."""
 
@@ -148,7 +144,6 @@ class Local:
 
     __slots__ = ()
 
-    placement = True
     admits_elsewhere = False
     shared_used: Mapping[str, int] | None = None
 
