@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from cachebroker import Broker, BrokerClosed
 from cachebroker.__main__ import main
-from cachebroker._core import Reason
+from cachebroker._core import Reason, Request
 from cachebroker._remote import _connection, _daemon, _ps
 from cachebroker._remote import _protocol as wire
 from cachebroker._remote._daemon import Daemon, DaemonBroker
@@ -211,6 +211,36 @@ def test_a_freed_answer_names_the_asking_process_own_victims_as_it_knows_them() 
     freed = wire.decode_freed({"op": "freed", "id": 1, **fields}, {7: ("c", ("a", 1))}.get)
     assert freed.victims == (("c", ("a", 1)), ("w@42", "'b'"))
     assert freed.spaces == {"gpu", "ram"}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"need": {"cuda:0": 1}, "places": "cuda:0"},
+        {"need": {"cuda:0": 1}, "places": []},
+        {"need": {"cuda:0": 1}, "places": ["cuda:0", "cuda:0"]},
+        {"need": {"cuda:0": 1}, "places": ["cuda:1", "cuda:0"]},
+        {"need": {"cuda:0": 1}, "places": ["cuda:0", 1]},
+        {"need": None, "places": ["cuda:0"]},
+    ],
+)
+def test_an_acquire_s_places_must_lead_with_its_need(fields: dict[str, Any]) -> None:
+    """``places`` is a list of distinct names whose first is the one ``need`` names
+    (the size in the first of them); anything else is a protocol error."""
+    with pytest.raises(wire.ProtocolError, match="'places' is"):
+        wire.decode_request({"op": "acquire", **fields}, "k", load=print, measure=print)
+
+
+def test_an_acquire_s_places_travel_whole() -> None:
+    request = Request("k", {"cuda:1": 5}, cost=2.0, priority=3, places=("cuda:1", "cuda:0"))
+    message = {"op": "acquire", **wire.encode_request(request)}
+    back = wire.decode_request(message, "k", load=print, measure=print)
+    assert (back.need, back.places, back.cost, back.priority) == (
+        {"cuda:1": 5},
+        ("cuda:1", "cuda:0"),
+        2.0,
+        3,
+    )
 
 
 def test_a_release_reason_is_a_known_one_or_a_protocol_error() -> None:
