@@ -16,6 +16,7 @@ import anyio.lowlevel
 
 from cachebroker import Broker, Cache
 from cachebroker._core import check_after_every_step
+from tests.brokers import daemon_of, open_broker
 from tests.helpers import loader
 
 
@@ -44,11 +45,16 @@ class Faulty:
 
 
 @contextlib.asynccontextmanager
-async def checked(**options: Any) -> AsyncIterator[Broker]:
-    """A broker whose books are checked after every step (``Core.check``)."""
+async def checked(kind: str = "local", **options: Any) -> AsyncIterator[Broker]:
+    """A broker of ``kind`` (``open_broker``) whose books are checked after every step
+    (``Core.check``): a connected one's, and its daemon's."""
     failures: list[str] = []
-    async with Broker(**options) as broker:
+    budget = options.pop("budget")
+    async with open_broker(kind, budget, **options) as broker:
         check_after_every_step(broker._core, failures)
+        daemon = daemon_of(broker)
+        if daemon is not None:
+            check_after_every_step(daemon.runner.core, failures)
         yield broker
     assert failures == []
 

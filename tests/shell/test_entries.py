@@ -107,9 +107,9 @@ async def test_an_entry_is_followed_through_its_load_a_lease_idle_time_and_relea
         assert (await broker.entries(), releaser.released) == ([], ["a"])
 
 
-async def test_a_quarantined_entry_is_listed_until_it_is_forgotten() -> None:
+async def test_a_quarantined_entry_is_listed_until_it_is_forgotten(kind: str) -> None:
     releaser = Releaser()
-    async with checked(budget=100) as broker, broker.cache("p", releaser) as cache:
+    async with checked(kind, budget=100) as broker, broker.cache("p", releaser) as cache:
         async with cache.acquire("a", load=counting("A", []), size=10):
             pass
         releaser.fail = True
@@ -125,9 +125,9 @@ async def test_a_quarantined_entry_is_listed_until_it_is_forgotten() -> None:
         assert await broker.entries() == []
 
 
-async def test_waiting_counts_the_requests_joined_to_a_slow_load() -> None:
+async def test_waiting_counts_the_requests_joined_to_a_slow_load(kind: str) -> None:
     load = Gated("A")
-    async with checked(budget=100) as broker, broker.cache("p", Releaser()) as cache:
+    async with checked(kind, budget=100) as broker, broker.cache("p", Releaser()) as cache:
         got: list[str] = []
 
         async def acquire() -> None:
@@ -168,9 +168,9 @@ async def test_an_entry_waiting_for_space_is_listed_with_its_requests() -> None:
         assert (entry.key, entry.state, entry.waiting, entry.loads) == ("b", "ready", 0, 1)
 
 
-async def test_an_old_value_and_the_one_loading_after_it_are_listed_oldest_first() -> None:
+async def test_an_old_value_and_the_one_loading_after_it_are_listed_oldest_first(kind: str) -> None:
     releaser = Releaser()
-    async with checked(budget=100) as broker, broker.cache("p", releaser) as cache:
+    async with checked(kind, budget=100) as broker, broker.cache("p", releaser) as cache:
         async with cache.acquire("a", load=counting("A1", []), size=10):
             pass
         releaser.gate = anyio.Event()
@@ -205,8 +205,8 @@ async def test_pinned_entries_and_idle_time_only_where_an_idle_ttl_applies() -> 
         assert found == {"pinned": (True, None), "plain": (False, None), "timed": (False, 4.0)}
 
 
-async def test_entries_of_two_caches_are_ordered_by_cache_then_key() -> None:
-    async with checked(budget=1000) as broker:
+async def test_entries_of_two_caches_are_ordered_by_cache_then_key(kind: str) -> None:
+    async with checked(kind, budget=1000) as broker:
         async with broker.cache("tokens", Releaser()) as tokens:
             async with broker.cache("models", Releaser()) as models:
                 for cache, key in (
@@ -252,16 +252,16 @@ async def test_loads_are_counted_across_evictions_and_reopened_caches() -> None:
             ]
 
 
-async def test_priority_is_read_from_the_entry() -> None:
-    async with checked(budget=100) as broker, broker.cache("p", Releaser()) as cache:
+async def test_priority_is_read_from_the_entry(kind: str) -> None:
+    async with checked(kind, budget=100) as broker, broker.cache("p", Releaser()) as cache:
         await cache.prefetch("a", load=counting("A", []), size=10)
         assert [e.priority for e in await broker.entries()] == [0]
         cache._entries["a"].priority = 3  # (set by acquire(priority=...) once it exists)
         assert [e.priority for e in await broker.entries()] == [3]
 
 
-async def test_entries_is_a_checkpoint() -> None:
-    async with checked(budget=100) as broker, broker.cache("p", Releaser()) as cache:
+async def test_entries_is_a_checkpoint(kind: str) -> None:
+    async with checked(kind, budget=100) as broker, broker.cache("p", Releaser()) as cache:
         await cache.prefetch("a", load=counting("A", []), size=10)
         with anyio.CancelScope() as scope:
             scope.cancel()
@@ -339,8 +339,8 @@ async def test_a_lease_abandoned_by_a_closing_cache_is_released_for_close_in_the
             await lease.release()
 
 
-async def test_a_timed_out_prefetch_leaves_nothing_listed() -> None:
-    async with checked(budget=10) as broker, broker.cache("p", Releaser()) as cache:
+async def test_a_timed_out_prefetch_leaves_nothing_listed(kind: str) -> None:
+    async with checked(kind, budget=10) as broker, broker.cache("p", Releaser()) as cache:
         lease = await cache.acquire("a", load=counting("A", []), size=10)
         async with anyio.create_task_group() as tg:
 

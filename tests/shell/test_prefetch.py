@@ -44,9 +44,9 @@ class Recorder:
 # ------------------------------------------------------------------ loading
 
 
-async def test_prefetch_loads_the_value_without_holding_a_lease() -> None:
+async def test_prefetch_loads_the_value_without_holding_a_lease(kind: str) -> None:
     calls: list[str] = []
-    async with checked(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with checked(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         await cache.prefetch("a", load=counting("A", calls), size=10)
         (entry,) = await broker.entries()
         assert (entry.state, entry.leases, entry.loads, entry.charge) == (
@@ -80,10 +80,10 @@ async def test_prefetch_of_a_loaded_key_loads_nothing_and_counts_nothing() -> No
         assert [(e.state, e.leases) for e in await broker.entries()] == [("ready", 0)]
 
 
-async def test_an_acquire_joins_a_prefetch_in_flight() -> None:
+async def test_an_acquire_joins_a_prefetch_in_flight(kind: str) -> None:
     load = Gated("A")
     got: list[str] = []
-    async with checked(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with checked(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
 
         async def acquire() -> None:
             async with cache.acquire("a", load=never, size=10) as lease:
@@ -101,9 +101,9 @@ async def test_an_acquire_joins_a_prefetch_in_flight() -> None:
         assert (stats.hits, stats.misses, stats.loads) == (1, 0, 1)  # the acquire joined
 
 
-async def test_a_prefetch_joins_an_acquire_in_flight() -> None:
+async def test_a_prefetch_joins_an_acquire_in_flight(kind: str) -> None:
     load = Gated("A")
-    async with checked(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with checked(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         held = anyio.Event()
         done = anyio.Event()
 
@@ -137,12 +137,12 @@ async def test_a_prefetch_joins_an_acquire_in_flight() -> None:
 # ------------------------------------------------------------------ errors
 
 
-async def test_a_failed_prefetch_raises_the_loaders_exception() -> None:
+async def test_a_failed_prefetch_raises_the_loaders_exception(kind: str) -> None:
     async def broken() -> Any:
         await anyio.lowlevel.checkpoint()
         raise LookupError("no such weights")
 
-    async with checked(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with checked(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(LookupError, match="no such weights"):
             await cache.prefetch("a", load=broken, size=10)
         assert await broker.entries() == []
@@ -150,8 +150,8 @@ async def test_a_failed_prefetch_raises_the_loaders_exception() -> None:
         assert (stats.load_failures, stats.used) == (1, {"default": 0})
 
 
-async def test_a_prefetch_times_out_waiting_for_space_then_for_its_load() -> None:
-    async with checked(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+async def test_a_prefetch_times_out_waiting_for_space_then_for_its_load(kind: str) -> None:
+    async with checked(kind, budget=10) as broker, broker.cache("p", Recorder()) as cache:
         held, done = anyio.Event(), anyio.Event()
 
         async def hold() -> None:
@@ -177,8 +177,8 @@ async def test_a_prefetch_times_out_waiting_for_space_then_for_its_load() -> Non
         assert (await broker.stats()).used == {"default": 0}
 
 
-async def test_a_prefetch_is_refused_as_an_acquire_would_be() -> None:
-    async with checked(budget=10) as broker:
+async def test_a_prefetch_is_refused_as_an_acquire_would_be(kind: str) -> None:
+    async with checked(kind, budget=10) as broker:
         async with broker.cache("p", Recorder()) as cache:
             with pytest.raises(TypeError, match="load must be a callable"):
                 await cache.prefetch("a", load="weights", size=1)  # type: ignore[arg-type]
@@ -200,10 +200,10 @@ async def test_a_prefetch_is_refused_as_an_acquire_would_be() -> None:
 # ------------------------------------------------------------ cancellation
 
 
-async def test_a_cancelled_prefetch_leaves_the_load_to_the_other_requesters() -> None:
+async def test_a_cancelled_prefetch_leaves_the_load_to_the_other_requesters(kind: str) -> None:
     load = Gated("A")
     got: list[str] = []
-    async with checked(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with checked(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
 
         async def acquire() -> None:
             async with cache.acquire("a", load=load, size=10) as lease:
@@ -228,9 +228,9 @@ async def test_a_cancelled_prefetch_leaves_the_load_to_the_other_requesters() ->
         assert (got, load.calls, load.cancelled) == (["A"], 1, False)
 
 
-async def test_a_prefetch_cancelled_alone_cancels_its_load() -> None:
+async def test_a_prefetch_cancelled_alone_cancels_its_load(kind: str) -> None:
     load = Gated("A")
-    async with checked(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with checked(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: cache.prefetch("a", load=load, size=10))
             await load.started.wait()
@@ -241,8 +241,8 @@ async def test_a_prefetch_cancelled_alone_cancels_its_load() -> None:
         assert (await broker.stats()).used == {"default": 0}
 
 
-async def test_a_prefetch_of_a_loaded_key_is_a_checkpoint() -> None:
-    async with checked(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_a_prefetch_of_a_loaded_key_is_a_checkpoint(kind: str) -> None:
+    async with checked(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         await cache.prefetch("a", load=counting("A", []), size=10)
         with anyio.CancelScope() as scope:
             scope.cancel()
@@ -254,9 +254,9 @@ async def test_a_prefetch_of_a_loaded_key_is_a_checkpoint() -> None:
 # ------------------------------------------------------------ for the policy
 
 
-async def test_a_prefetched_entry_is_evicted_by_the_next_request() -> None:
+async def test_a_prefetched_entry_is_evicted_by_the_next_request(kind: str) -> None:
     recorder = Recorder()
-    async with checked(budget=10) as broker, broker.cache("p", recorder) as cache:
+    async with checked(kind, budget=10) as broker, broker.cache("p", recorder) as cache:
         await cache.prefetch("a", load=counting("A", []), size=10)
         async with cache.acquire("b", load=counting("B", []), size=10) as lease:
             assert lease.value == "B"
@@ -264,13 +264,13 @@ async def test_a_prefetched_entry_is_evicted_by_the_next_request() -> None:
         assert (await broker.stats()).releases["capacity"] == 1
 
 
-async def test_a_prefetch_is_no_request_for_the_policy() -> None:
+async def test_a_prefetch_is_no_request_for_the_policy(kind: str) -> None:
     """GDSF ranks by requests: ``a``, prefetched twice (the second time ready) and never
     acquired, ranks below ``b``, acquired once, and goes first; counted as requests, the
     prefetches would have made ``a`` the more requested and ``b`` the victim."""
     recorder = Recorder()
     async with (
-        checked(budget=20, policy=GDSF()) as broker,
+        checked(kind, budget=20, policy=GDSF()) as broker,
         broker.cache("p", recorder) as cache,
     ):
         async with cache.acquire("b", load=counting("B", []), size=10, cost=1.0):
@@ -284,13 +284,16 @@ async def test_a_prefetch_is_no_request_for_the_policy() -> None:
 
 @pytest.mark.parametrize("policy", [LRU, FIFO, GDSF, CostAware])
 async def test_prefetches_among_acquires_keep_the_books_exact_under_every_policy(
-    policy: type[LRU | FIFO | GDSF | CostAware],
+    policy: type[LRU | FIFO | GDSF | CostAware], kind: str
 ) -> None:
     """Prefetches of new, loaded and evicted keys among acquires, with evictions at
     every step: every policy takes entries that were never requested, and the
     books add up after each step (``checked``)."""
     recorder = Recorder()
-    async with checked(budget=30, policy=policy()) as broker, broker.cache("p", recorder) as cache:
+    async with (
+        checked(kind, budget=30, policy=policy()) as broker,
+        broker.cache("p", recorder) as cache,
+    ):
         for i in range(30):
             async with cache.acquire(f"k{i % 5}", load=counting(i, []), size=10):
                 pass
@@ -301,8 +304,8 @@ async def test_prefetches_among_acquires_keep_the_books_exact_under_every_policy
         assert len(recorder.released) == stats.loads - 3
 
 
-async def test_prefetch_pins_a_new_entry_and_a_loaded_one() -> None:
-    async with checked(budget=20) as broker, broker.cache("p", Recorder()) as cache:
+async def test_prefetch_pins_a_new_entry_and_a_loaded_one(kind: str) -> None:
+    async with checked(kind, budget=20) as broker, broker.cache("p", Recorder()) as cache:
         await cache.prefetch("a", load=counting("A", []), size=10, pin=True)
         async with cache.acquire("b", load=counting("B", []), size=10):
             pass
@@ -335,9 +338,9 @@ async def test_prefetch_sets_the_idle_ttl_of_a_loaded_entry_from_now() -> None:
         assert recorder.released == ["a"]
 
 
-async def test_prefetch_with_idle_ttl_zero_releases_the_value_once_loaded() -> None:
+async def test_prefetch_with_idle_ttl_zero_releases_the_value_once_loaded(kind: str) -> None:
     recorder = Recorder()
-    async with checked(budget=100) as broker, broker.cache("p", recorder) as cache:
+    async with checked(kind, budget=100) as broker, broker.cache("p", recorder) as cache:
         await cache.prefetch("a", load=counting("A", []), size=10, idle_ttl=0)
         await anyio.wait_all_tasks_blocked()
         assert recorder.released == ["a"]

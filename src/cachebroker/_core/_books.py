@@ -321,6 +321,8 @@ class Core(Books):
         now: float,
         *,
         loading: tuple[Entry, ...] = (),
+        urgent: bool = False,
+        held: tuple[Entry, ...] | None = None,
     ) -> Ticket | None:
         """Have ``request.key`` loaded on behalf of ``task``, without counting a request.
 
@@ -354,7 +356,7 @@ class Core(Books):
         misses = self.misses
         self.prefetching = True
         try:
-            return self.request(owner, request, task, loading=loading)
+            return self.request(owner, request, task, loading=loading, urgent=urgent, held=held)
         finally:
             self.prefetching = False
             self.misses = misses  # (``_transitions.create`` counts a miss)

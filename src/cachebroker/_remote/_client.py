@@ -635,6 +635,8 @@ class Link:
             # daemon refuses it if only their reservations could make room.
             "loading": [self.ids[e] for e in (first.loading if first else ()) if e in self.ids],
         }
+        if not entry.requests:  # made by a prefetch: no request for the policy there either
+            message["prefetch"] = True
         self.priorities[entry] = entry.priority
         self.admitting[id] = _Admission(message)
         if self.online:

@@ -322,7 +322,10 @@ class Connection:
         )
         self.mirrors[id] = mirror
         assert self.tg is not None
-        self.tg.start_soon(self._acquire, mirror, request, bool(message.get("urgent")), held, loads)
+        counted = not message.get("prefetch")
+        self.tg.start_soon(
+            self._acquire, mirror, request, bool(message.get("urgent")), held, loads, counted
+        )
 
     async def _acquire(
         self,
@@ -331,6 +334,7 @@ class Connection:
         urgent: bool,
         holding: tuple[_Mirror, ...],
         loads: tuple[_Mirror, ...],
+        counted: bool,
     ) -> None:
         block = mirror.space.block
         assert block is not None
@@ -354,6 +358,7 @@ class Connection:
                     urgent=urgent,
                     held=held,
                     loading=_loading(loads),
+                    counted=counted,
                 )
             except Exception as exc:
                 loaded = block.owner.entries.get(mirror.key)

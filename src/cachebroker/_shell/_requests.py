@@ -58,6 +58,7 @@ class Requests:
         held: tuple[Entry, ...] | None = None,
         bound: bool = True,
         loading: tuple[Entry, ...] | None = None,
+        counted: bool = True,
     ) -> tuple[Entry, object]:
         """``Runner.request``: the entry and the lease's holder."""
         steps = self._steps
@@ -65,15 +66,17 @@ class Requests:
         core = steps.core
         name, key = owner.name, request.key
         self._before()
-        ticket = core.request(
-            owner,
-            request,
-            task,
-            loading=LOADING.get() if loading is None else loading,
-            urgent=urgent,
-            held=held,
-            bound=bound,
-        )
+        loads = LOADING.get() if loading is None else loading
+        if counted:
+            ticket = core.request(
+                owner, request, task, loading=loads, urgent=urgent, held=held, bound=bound
+            )
+        else:  # (a process's prefetch: its entries here are new, never ready)
+            made = core.prefetch(
+                owner, request, task, steps.clock(), loading=loads, urgent=urgent, held=held
+            )
+            assert made is not None
+            ticket = made
         entry = ticket.entry
         if ticket.outcome is None and task in self._releases.releasing_tasks:
             self._refuse_from_release(ticket)

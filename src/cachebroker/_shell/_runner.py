@@ -438,6 +438,7 @@ class Runner:
         held: tuple[Entry, ...] | None = None,
         bound: bool = True,
         loading: tuple[Entry, ...] | None = None,
+        counted: bool = True,
     ) -> Coroutine[Any, Any, tuple[Entry, object]]:
         """Acquire ``request.key`` when it is not ready, or limited (a miss, a join, a slot
         wait): the entry and its holder (``Requests.request``).
@@ -445,10 +446,11 @@ class Runner:
         ``Cache._acquire_slow`` checked the request and parsed its ``need``;
         ``urgent``, ``held`` and ``loading`` (the loads it is made from, by default
         those this task runs in) are for a request relayed from another process,
-        ``bound`` says whether only this task can end the lease (``Core.request``).
+        ``bound`` says whether only this task can end the lease (``Core.request``);
+        ``counted=False``: a prefetch's, relayed (``Core.prefetch``).
         """
         return self.requests.request(
-            owner, request, urgent=urgent, held=held, bound=bound, loading=loading
+            owner, request, urgent=urgent, held=held, bound=bound, loading=loading, counted=counted
         )
 
     def adopt(

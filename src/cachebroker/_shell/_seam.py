@@ -249,9 +249,11 @@ class Relay(Protocol):
         urgent: bool = False,
         held: tuple[Entry, ...] | None = None,
         loading: tuple[Entry, ...] | None = None,
+        counted: bool = True,
     ) -> tuple[Entry, object]:
         """A process's request (``wire.decode_request``): the entry and the lease's holder,
-        once granted. ``loading``: the entries whose loads (there) make it."""
+        once granted. ``loading``: the entries whose loads (there) make it; ``counted``:
+        whether it is a request (not one made by a prefetch there, ``Core.prefetch``)."""
 
     def adopt(
         self,
