@@ -761,6 +761,32 @@ def test_a_value_as_large_as_its_space_comes_back_up_from_the_tier_below() -> No
     h.core.check()
 
 
+def test_a_promotion_asks_only_for_the_bytes_it_does_not_hold_already() -> None:
+    """a keeps its 10 B of cpu (no tier there) while demoted from gpu: brought back
+    up, it asks for gpu's 60 B only; asking for its cpu bytes again, beside
+    themselves, it would wait for ever (cpu holds 15)."""
+    h = tiered({"gpu": 100, "cpu": 15, "ram": 100})
+    a = idle(h, "a", {"gpu": 60, "cpu": 10})
+    b = h.core.request(h.owner, Request("b", {"gpu": 60}), "u")
+    h.drain()
+    h.move(a)
+    h.finish(b.entry)
+    h.end(b)
+    assert a.state is State.DEMOTED and a.charge == {"cpu": 10, "ram": 60}
+    ticket = h.core.request(h.owner, Request("a", {"gpu": 60, "cpu": 10}), "v")
+    h.drain()
+    for _ in range(10):  # b goes down (or out), a comes up
+        if ticket.outcome is not None:
+            break
+        if h.moving:
+            h.move(h.moving[0][0])
+        else:
+            h.ack(h.releasing[0])
+    assert ticket.outcome is True and a.charge == {"gpu": 60, "cpu": 10}
+    assert h.used("cpu") == 10
+    h.core.check()
+
+
 # ------------------------------------------------------------- the policy's answer
 
 
