@@ -539,6 +539,44 @@ def test_cost_policy_compares_entries_long_unrequested() -> None:
     assert sorted(keys(policy.victims({"m": 10}))) == ["s1", "s2"]
 
 
+@pytest.mark.parametrize("candidates", [2, 3])
+def test_cost_policy_with_every_resident_a_candidate_breaks_ties_by_load_order(
+    candidates: int,
+) -> None:
+    """Two residents, candidates=2 or 3: all are in the pool, in load order (no walk
+    of the ranks, which would put y, of the lower rank per byte, first). x and y cost
+    the same and each covers the need: the one loaded first goes."""
+    policy = CostAware(half_life=4.0, candidates=candidates)
+    settle(policy, [Item("x", {"m": 10}, cost=2.0), Item("y", {"m": 20}, cost=2.0)])
+    assert keys(policy.victims({"m": 10})) == ["x"]
+
+
+def long_unrequested(ticks: int) -> CostAware:
+    """old, requested ``ticks`` ticks (two per half-life) before c and b, is too small to
+    cover anything; c's reload costs 1.9 times b's."""
+    policy = CostAware(half_life=2.0)
+    settle(
+        policy,
+        [
+            Item("old", {"m": 1}, cost=1.0, tick=1),
+            Item("c", {"m": 10}, cost=1.9, tick=1 + ticks),
+            Item("b", {"m": 10}, cost=1.0, tick=1 + ticks),
+        ],
+    )
+    return policy
+
+
+def test_cost_policy_compares_values_up_to_2_to_the_1000_times_the_least() -> None:
+    """b is valued 2^999.5 times old, c 2^1000 (capped from 2^1000.4): b is cheaper."""
+    assert keys(long_unrequested(1999).victims({"m": 10})) == ["b"]
+
+
+def test_cost_policy_caps_values_at_2_to_the_1000_times_the_least() -> None:
+    """b and c are valued 2^1000 and 2^1000.9 times old: both capped at 2^1000 (a
+    float's range), they tie, and c, first in the pool, goes."""
+    assert keys(long_unrequested(2000).victims({"m": 10})) == ["c"]
+
+
 def test_cheapest_cover_of_nothing_or_from_too_little_is_empty() -> None:
     pool: list[PolicyEntry] = [Item("a", {"m": 5})]
     assert _cheapest_cover(pool, {"m": 0, "z": -1}, value_of({"a": 1.0})) == []
