@@ -21,14 +21,15 @@ from cachebroker import (
     LeaseReleased,
     RequestTooLarge,
 )
+from tests.brokers import open_broker
 from tests.helpers import Recorder, loader, plugin_name, wait_until
 
 pytestmark = pytest.mark.anyio
 
 
-async def test_acquire_loads_once_and_hit_shares_value() -> None:
+async def test_acquire_loads_once_and_hit_shares_value(kind: str) -> None:
     calls: list[str] = []
-    async with Broker(budget="1KiB") as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, "1KiB") as broker, broker.cache("p", Recorder()) as cache:
         lease = await cache.acquire("k", load=loader("v", calls), size=100)
         assert (lease.key, lease.value) == ("k", "v")
         await lease.release()
@@ -42,8 +43,8 @@ async def test_acquire_loads_once_and_hit_shares_value() -> None:
         assert stats.entries == 1
 
 
-async def test_lease_release_is_idempotent_and_value_unusable_after() -> None:
-    async with Broker(budget=1000) as broker, broker.cache("p", Recorder()) as cache:
+async def test_lease_release_is_idempotent_and_value_unusable_after(kind: str) -> None:
+    async with open_broker(kind, 1000) as broker, broker.cache("p", Recorder()) as cache:
         lease = await cache.acquire("k", load=loader(1), size=10)
         await lease.release()
         await lease.release()
@@ -53,8 +54,8 @@ async def test_lease_release_is_idempotent_and_value_unusable_after() -> None:
         assert (await broker.stats()).leased == 0
 
 
-async def test_a_lease_is_acquired_once_when_awaited_or_entered() -> None:
-    async with Broker(budget=1000) as broker, broker.cache("p", Recorder()) as cache:
+async def test_a_lease_is_acquired_once_when_awaited_or_entered(kind: str) -> None:
+    async with open_broker(kind, 1000) as broker, broker.cache("p", Recorder()) as cache:
         lease = cache.acquire("k", load=loader(1), size=10)
         assert repr(lease) == "<Lease 'k' not acquired>"
         assert not lease.released
@@ -78,14 +79,14 @@ async def test_a_lease_is_acquired_once_when_awaited_or_entered() -> None:
         assert entered.released
 
 
-async def test_one_lease_awaited_by_two_tasks_is_acquired_once() -> None:
+async def test_one_lease_awaited_by_two_tasks_is_acquired_once(kind: str) -> None:
     gate = anyio.Event()
 
     async def slow() -> int:
         await gate.wait()
         return 1
 
-    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, 10) as broker, broker.cache("p", Recorder()) as cache:
         lease = cache.acquire("k", load=slow, size=10)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_await, lease)
@@ -102,8 +103,8 @@ async def _await(lease: cachebroker.Lease[Any]) -> None:
     await lease
 
 
-async def test_a_failed_acquire_may_be_awaited_again() -> None:
-    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+async def test_a_failed_acquire_may_be_awaited_again(kind: str) -> None:
+    async with open_broker(kind, 10) as broker, broker.cache("p", Recorder()) as cache:
         held = await cache.acquire("a", load=loader(1), size=10)
         pending = cache.acquire("b", load=loader(2), size=10)
         with pytest.raises(DeadlockError):  # only this task's own lease is in the way
@@ -113,7 +114,7 @@ async def test_a_failed_acquire_may_be_awaited_again() -> None:
         await pending.release()
 
 
-async def test_concurrent_acquires_of_one_key_load_once() -> None:
+async def test_concurrent_acquires_of_one_key_load_once(kind: str) -> None:
     calls: list[int] = []
     gate = anyio.Event()
 
@@ -123,7 +124,7 @@ async def test_concurrent_acquires_of_one_key_load_once() -> None:
         return 42
 
     values: list[int] = []
-    async with Broker(budget=1000) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, 1000) as broker, broker.cache("p", Recorder()) as cache:
 
         async def user() -> None:
             async with cache.acquire("k", load=slow_load, size=10) as lease:
@@ -138,7 +139,7 @@ async def test_concurrent_acquires_of_one_key_load_once() -> None:
         assert values == [42] * 20
 
 
-async def test_many_keys_under_tight_budget_never_over_commit() -> None:
+async def test_many_keys_under_tight_budget_never_over_commit(kind: str) -> None:
     budget = 100
     live: dict[int, int] = {}
     peak = 0
@@ -148,7 +149,7 @@ async def test_many_keys_under_tight_budget_never_over_commit() -> None:
             await anyio.lowlevel.checkpoint()
             del live[key]
 
-    async with Broker(budget=budget) as broker, broker.cache("p", Plugin()) as cache:
+    async with open_broker(kind, budget) as broker, broker.cache("p", Plugin()) as cache:
 
         async def user(i: int) -> None:
             key = i % 12
@@ -174,9 +175,9 @@ async def test_many_keys_under_tight_budget_never_over_commit() -> None:
     assert stats.misses + stats.hits == 200
 
 
-async def test_eviction_runs_release_in_owner_task_group_and_context() -> None:
+async def test_eviction_runs_release_in_owner_task_group_and_context(kind: str) -> None:
     owner = Recorder()
-    async with Broker(budget=100) as broker:
+    async with open_broker(kind, 100) as broker:
 
         async def plugin_block(ready: anyio.Event, done: anyio.Event) -> None:
             plugin_name.set("whisper")
@@ -199,10 +200,10 @@ async def test_eviction_runs_release_in_owner_task_group_and_context() -> None:
     assert owner.contexts == ["whisper"]
 
 
-async def test_space_is_granted_only_after_every_release_is_acknowledged() -> None:
+async def test_space_is_granted_only_after_every_release_is_acknowledged(kind: str) -> None:
     plugin = Recorder()
     plugin.gate = anyio.Event()
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", plugin) as cache:
         for key in "ab":
             async with cache.acquire(key, load=loader(key), size=50):
                 pass
@@ -223,7 +224,7 @@ async def test_space_is_granted_only_after_every_release_is_acknowledged() -> No
         assert sorted(plugin.released) == ["a", "b"]
 
 
-async def test_releases_of_several_victims_run_concurrently() -> None:
+async def test_releases_of_several_victims_run_concurrently(kind: str) -> None:
     gate = anyio.Event()
     inside = 0
 
@@ -233,7 +234,7 @@ async def test_releases_of_several_victims_run_concurrently() -> None:
             inside += 1
             await gate.wait()
 
-    async with Broker(budget=100) as broker, broker.cache("p", Slow()) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Slow()) as cache:
         for key in "abcd":
             async with cache.acquire(key, load=loader(key), size=25):
                 pass
@@ -243,7 +244,7 @@ async def test_releases_of_several_victims_run_concurrently() -> None:
             gate.set()
 
 
-async def test_cancelled_requester_does_not_cancel_shared_load() -> None:
+async def test_cancelled_requester_does_not_cancel_shared_load(kind: str) -> None:
     gate = anyio.Event()
     cancelled = False
 
@@ -256,7 +257,7 @@ async def test_cancelled_requester_does_not_cancel_shared_load() -> None:
             raise
         return "v"
 
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()) as cache:
         result: list[str] = []
 
         async def patient() -> None:
@@ -275,7 +276,7 @@ async def test_cancelled_requester_does_not_cancel_shared_load() -> None:
         assert broker.stats_nowait().leased == 0
 
 
-async def test_last_requester_leaving_cancels_load_and_returns_reservation() -> None:
+async def test_last_requester_leaving_cancels_load_and_returns_reservation(kind: str) -> None:
     cancelled = anyio.Event()
 
     async def load() -> str:
@@ -285,7 +286,7 @@ async def test_last_requester_leaving_cancels_load_and_returns_reservation() -> 
             cancelled.set()
         return "never"  # pragma: no cover
 
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()) as cache:
         with anyio.move_on_after(0.05):
             await cache.acquire("k", load=load, size=60)
         await cancelled.wait()
@@ -294,7 +295,7 @@ async def test_last_requester_leaving_cancels_load_and_returns_reservation() -> 
         assert (stats.entries, stats.loading, stats.load_failures) == (0, 0, 0)
 
 
-async def test_failed_load_reaches_every_waiter_chained_and_is_not_cached() -> None:
+async def test_failed_load_reaches_every_waiter_chained_and_is_not_cached(kind: str) -> None:
     gate = anyio.Event()
     attempts = 0
 
@@ -305,7 +306,7 @@ async def test_failed_load_reaches_every_waiter_chained_and_is_not_cached() -> N
         raise ValueError("corrupt checkpoint")
 
     errors: list[BaseException] = []
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()) as cache:
 
         async def user() -> None:
             try:
@@ -334,7 +335,7 @@ async def test_failed_load_reaches_every_waiter_chained_and_is_not_cached() -> N
         assert attempts == 2
 
 
-async def test_releasing_entry_takes_no_new_lease_then_loads_afresh() -> None:
+async def test_releasing_entry_takes_no_new_lease_then_loads_afresh(kind: str) -> None:
     plugin = Recorder()
     plugin.gate = anyio.Event()
     values = iter(["old", "new"])
@@ -342,7 +343,7 @@ async def test_releasing_entry_takes_no_new_lease_then_loads_afresh() -> None:
     async def load() -> str:
         return next(values)
 
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", plugin) as cache:
         async with cache.acquire("k", load=load, size=50):
             pass
         async with anyio.create_task_group() as tg:
@@ -361,7 +362,7 @@ async def test_releasing_entry_takes_no_new_lease_then_loads_afresh() -> None:
         assert got == ["new"]
 
 
-async def test_plain_loader_runs_in_worker_thread() -> None:
+async def test_plain_loader_runs_in_worker_thread(kind: str) -> None:
     loop_thread = threading.get_ident()
     seen: list[int] = []
 
@@ -369,29 +370,29 @@ async def test_plain_loader_runs_in_worker_thread() -> None:
         seen.append(threading.get_ident())
         return "v"
 
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()) as cache:
         async with cache.acquire("k", load=load, size=1) as lease:
             assert lease.value == "v"
     assert seen and seen[0] != loop_thread
 
 
-async def test_plain_loader_returning_coroutine_is_awaited() -> None:
+async def test_plain_loader_returning_coroutine_is_awaited(kind: str) -> None:
     async def load_model(name: str) -> str:
         await anyio.lowlevel.checkpoint()
         return f"model {name}"
 
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()) as cache:
         async with cache.acquire("k", load=lambda: load_model("k"), size=1) as lease:
             assert lease.value == "model k"
 
 
-async def test_plain_function_releaser_is_accepted() -> None:
+async def test_plain_function_releaser_is_accepted(kind: str) -> None:
     freed: list[str] = []
 
     async def release(key: str, value: str) -> None:
         freed.append(key)
 
-    async with Broker(budget=10) as broker, broker.cache("p", release) as cache:
+    async with open_broker(kind, 10) as broker, broker.cache("p", release) as cache:
         async with cache.acquire("a", load=loader("a"), size=10):
             pass
         async with cache.acquire("b", load=loader("b"), size=10):
@@ -399,9 +400,9 @@ async def test_plain_function_releaser_is_accepted() -> None:
         assert freed == ["a"]
 
 
-async def test_keys_are_per_cache() -> None:
+async def test_keys_are_per_cache(kind: str) -> None:
     async with (
-        Broker(budget=100) as broker,
+        open_broker(kind, 100) as broker,
         broker.cache("whisper", Recorder()) as w,
         broker.cache("llama", Recorder()) as ll,
         w.acquire("base", load=loader("W"), size=1) as a,
@@ -410,26 +411,26 @@ async def test_keys_are_per_cache() -> None:
             assert (a.value, b.value) == ("W", "L")
 
 
-async def test_entry_may_weigh_in_several_spaces() -> None:
-    async with Broker(budget={"ram": "1KiB", "cuda:0": "2KiB"}) as broker:
+async def test_entry_may_weigh_in_several_spaces(kind: str) -> None:
+    async with open_broker(kind, {"ram": "1KiB", "cuda:0": "2KiB"}) as broker:
         async with broker.cache("p", Recorder()) as cache:
             size: dict[str, int | str] = {"ram": 100, "cuda:0": "1KiB"}
             async with cache.acquire("k", load=loader(1), size=size):
                 assert (await broker.stats()).used == {"ram": 100, "cuda:0": 1024}
 
 
-async def test_size_callable_measures_loaded_value() -> None:
-    async with Broker(budget=1000) as broker, broker.cache("p", Recorder()) as cache:
+async def test_size_callable_measures_loaded_value(kind: str) -> None:
+    async with open_broker(kind, 1000) as broker, broker.cache("p", Recorder()) as cache:
         async with cache.acquire("k", load=loader(b"x" * 300), size=len):
             assert (await broker.stats()).used == {"default": 300}
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo", "gdsf", "cost"])
-async def test_a_measured_entry_is_a_victim_like_any_other(policy: str) -> None:
+async def test_a_measured_entry_is_a_victim_like_any_other(policy: str, kind: str) -> None:
     # The policy learns of the entry with its measured size, not the empty
     # declared one: otherwise FIFO and the ranked policies never evict it.
     plugin = Recorder()
-    async with Broker(budget=15, policy=policy) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 15, policy=policy) as broker, broker.cache("p", plugin) as cache:
         async with cache.acquire("measured", load=loader(b"x" * 10), size=len):
             pass
         with anyio.fail_after(5):
@@ -438,33 +439,33 @@ async def test_a_measured_entry_is_a_victim_like_any_other(policy: str) -> None:
         assert plugin.released == ["measured"]
 
 
-async def test_invalid_size_callable_result_fails_acquire_and_frees_value() -> None:
+async def test_invalid_size_callable_result_fails_acquire_and_frees_value(kind: str) -> None:
     plugin = Recorder()
-    async with Broker(budget=1000) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 1000) as broker, broker.cache("p", plugin) as cache:
         with pytest.raises(cachebroker.InvalidArgument, match="size callable"):
             await cache.acquire("k", load=loader("v"), size=lambda v: -1)
         await wait_until(lambda: plugin.released == ["k"])
         assert (await broker.stats()).used == {"default": 0}
 
 
-async def test_request_over_whole_budget_fails_fast() -> None:
-    async with Broker(budget="1MiB") as broker, broker.cache("p", Recorder()) as cache:
+async def test_request_over_whole_budget_fails_fast(kind: str) -> None:
+    async with open_broker(kind, "1MiB") as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(RequestTooLarge, match="exceeds the space's whole budget"):
             await cache.acquire("k", load=loader(1), size="2MiB")
         with pytest.raises(ValueError, match=r"2\.0 MiB"):
             await cache.acquire("k", load=loader(1), size="2MiB")
 
 
-async def test_self_deadlock_is_an_error_not_a_hang() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_self_deadlock_is_an_error_not_a_hang(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()) as cache:
         async with cache.acquire("a", load=loader(1), size=80):
             with pytest.raises(DeadlockError, match="leased by the requesting task") as info:
                 await cache.acquire("b", load=loader(2), size=50)
             assert info.value.leases == (("p", "a"),)
 
 
-async def test_acquire_timeout_bounds_the_wait() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_acquire_timeout_bounds_the_wait(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()) as cache:
         held = anyio.Event()
         done = anyio.Event()
 
@@ -482,10 +483,10 @@ async def test_acquire_timeout_bounds_the_wait() -> None:
             done.set()
 
 
-async def test_invalidate_releases_idle_value_and_next_acquire_reloads() -> None:
+async def test_invalidate_releases_idle_value_and_next_acquire_reloads(kind: str) -> None:
     plugin = Recorder()
     calls: list[str] = []
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", plugin) as cache:
         async with cache.acquire("k", load=loader("v", calls), size=10):
             pass
         assert await cache.invalidate("k") is True
@@ -515,9 +516,9 @@ async def test_evict_idle_uses_injected_clock() -> None:
             assert (report.entries, report.bytes) == (1, 20)
 
 
-async def test_broker_sweeps_idle_entries_on_its_own_timer() -> None:
+async def test_broker_sweeps_idle_entries_on_its_own_timer(kind: str) -> None:
     plugin = Recorder()
-    async with Broker(budget=100, idle_ttl=0.02) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 100, idle_ttl=0.02) as broker, broker.cache("p", plugin) as cache:
         async with cache.acquire("a", load=loader(1), size=10):
             pass
         with anyio.fail_after(5):
@@ -526,9 +527,9 @@ async def test_broker_sweeps_idle_entries_on_its_own_timer() -> None:
         assert broker.stats_nowait().releases["idle"] == 1
 
 
-async def test_clear_releases_everything_idle() -> None:
+async def test_clear_releases_everything_idle(kind: str) -> None:
     plugin = Recorder()
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", plugin) as cache:
         for key in "abc":
             async with cache.acquire(key, load=loader(key), size=10):
                 pass
@@ -537,10 +538,10 @@ async def test_clear_releases_everything_idle() -> None:
         assert sorted(plugin.released) == ["a", "b", "c"]
 
 
-async def test_budget_zero_turns_retention_off() -> None:
+async def test_budget_zero_turns_retention_off(kind: str) -> None:
     plugin = Recorder()
     calls: list[str] = []
-    async with Broker(budget=0) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 0) as broker, broker.cache("p", plugin) as cache:
         for _ in range(2):
             async with cache.acquire("k", load=loader("v", calls), size="1GiB") as lease:
                 assert lease.value == "v"
@@ -549,9 +550,9 @@ async def test_budget_zero_turns_retention_off() -> None:
         assert plugin.released == ["k", "k"]
 
 
-async def test_leaving_cache_block_releases_its_entries() -> None:
+async def test_leaving_cache_block_releases_its_entries(kind: str) -> None:
     plugin = Recorder()
-    async with Broker(budget=100) as broker:
+    async with open_broker(kind, 100) as broker:
         async with broker.cache("p", plugin) as cache:
             for key in "ab":
                 async with cache.acquire(key, load=loader(key), size=10):
@@ -565,17 +566,17 @@ async def test_leaving_cache_block_releases_its_entries() -> None:
             pass
 
 
-async def test_cache_name_in_use_is_rejected() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()):
+async def test_cache_name_in_use_is_rejected(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()):
         with pytest.raises(ValueError, match="already open"):
             async with broker.cache("p", Recorder()):
                 pass  # pragma: no cover
 
 
 async def test_acquire_hit_and_miss_events_have_stable_names(
-    events: list[MutableMapping[str, Any]],
+    events: list[MutableMapping[str, Any]], kind: str
 ) -> None:
-    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, 10) as broker, broker.cache("p", Recorder()) as cache:
         for key in ["a", "a", "b"]:
             async with cache.acquire(key, load=loader(key), size=10):
                 pass
@@ -596,14 +597,14 @@ async def test_acquire_hit_and_miss_events_have_stable_names(
 
 
 async def test_listeners_get_the_events_and_a_failing_one_is_removed(
-    events: list[MutableMapping[str, Any]],
+    events: list[MutableMapping[str, Any]], kind: str
 ) -> None:
     seen: list[tuple[str, dict[str, Any]]] = []
 
     def broken(event: str, fields: Any) -> None:
         raise ValueError("boom")
 
-    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, 10) as broker, broker.cache("p", Recorder()) as cache:
         broker.add_listener(lambda event, fields: seen.append((event, dict(fields))))
         broker.add_listener(broken)
         with pytest.raises(TypeError, match="listener must be a callable"):
@@ -625,8 +626,8 @@ async def test_listeners_get_the_events_and_a_failing_one_is_removed(
     assert failures[0]["error"] == "ValueError('boom')"
 
 
-async def test_unhashable_key_is_a_clear_type_error() -> None:
-    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+async def test_unhashable_key_is_a_clear_type_error(kind: str) -> None:
+    async with open_broker(kind, 10) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(InvalidKey, match="hashable"):
             await cache.acquire(["not", "hashable"], load=loader(1), size=1)  # type: ignore[call-overload]
         with pytest.raises(TypeError):
@@ -644,27 +645,29 @@ async def test_unhashable_key_is_a_clear_type_error() -> None:
         (True, TypeError, "number of bytes"),
     ],
 )
-async def test_bad_sizes_are_rejected_with_clear_errors(size: Any, error: type, match: str) -> None:
-    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+async def test_bad_sizes_are_rejected_with_clear_errors(
+    size: Any, error: type, match: str, kind: str
+) -> None:
+    async with open_broker(kind, 10) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(error, match=match):
             await cache.acquire("k", load=loader(1), size=size)
         assert (await broker.stats()).entries == 0
 
 
-async def test_bad_loader_and_timeout_are_rejected() -> None:
-    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+async def test_bad_loader_and_timeout_are_rejected(kind: str) -> None:
+    async with open_broker(kind, 10) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(TypeError, match="load must be a callable"):
             await cache.acquire("k", load="nope", size=1)  # type: ignore[call-overload]
         with pytest.raises(ValueError, match="timeout must be a positive"):
             await cache.acquire("k", load=loader(1), size=1, timeout=-1)
 
 
-async def test_releaser_without_async_release_is_rejected() -> None:
+async def test_releaser_without_async_release_is_rejected(kind: str) -> None:
     class Sync:
         def release(self, key: str, value: str) -> None:
             pass
 
-    async with Broker(budget=10) as broker:
+    async with open_broker(kind, 10) as broker:
         with pytest.raises(TypeError, match="async def release"):
             broker.cache("p", Sync())  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="async def release"):
@@ -685,9 +688,9 @@ async def use(cache: cachebroker.Cache, key: str, load: Any, size: int) -> None:
         pass
 
 
-async def test_cost_aware_policy_keeps_the_model_that_is_slow_to_reload() -> None:
+async def test_cost_aware_policy_keeps_the_model_that_is_slow_to_reload(kind: str) -> None:
     plugin = Recorder()
-    async with Broker(budget=100, policy="cost") as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 100, policy="cost") as broker, broker.cache("p", plugin) as cache:
         async with cache.acquire("slow", load=loader("s"), size=40, cost=90):
             pass
         async with cache.acquire("fast", load=loader("f"), size=40, cost=3):
@@ -697,8 +700,8 @@ async def test_cost_aware_policy_keeps_the_model_that_is_slow_to_reload() -> Non
         assert plugin.released == ["fast"]  # LRU would have evicted "slow"
 
 
-async def test_bad_cost_is_rejected() -> None:
-    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+async def test_bad_cost_is_rejected(kind: str) -> None:
+    async with open_broker(kind, 10) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(ValueError, match="cost must be a non-negative"):
             await cache.acquire("k", load=loader(1), size=1, cost=-2)
 
@@ -722,18 +725,18 @@ async def test_per_entry_idle_ttl_overrides_the_broker_one() -> None:
             assert plugin.released == ["short", "default"]
 
 
-async def test_idle_ttl_zero_releases_at_last_lease_end() -> None:
+async def test_idle_ttl_zero_releases_at_last_lease_end(kind: str) -> None:
     plugin = Recorder()
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", plugin) as cache:
         async with cache.acquire("k", load=loader(1), size=10, idle_ttl=0):
             pass
         assert broker.stats_nowait().releasing == 1  # in the lease's last step
         await wait_until(lambda: plugin.released == ["k"])
 
 
-async def test_sweeper_honours_per_entry_ttl_without_a_broker_ttl() -> None:
+async def test_sweeper_honours_per_entry_ttl_without_a_broker_ttl(kind: str) -> None:
     plugin = Recorder()
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", plugin) as cache:
         async with cache.acquire("k", load=loader(1), size=10, idle_ttl=0.02):
             pass
         with anyio.fail_after(5):
@@ -762,8 +765,8 @@ async def test_pinned_entry_stays_resident_until_unpinned() -> None:
             assert plugin.released == ["other", "pinned"]
 
 
-async def test_bad_per_entry_settings_are_rejected() -> None:
-    async with Broker(budget=10) as broker, broker.cache("p", Recorder()) as cache:
+async def test_bad_per_entry_settings_are_rejected(kind: str) -> None:
+    async with open_broker(kind, 10) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(ValueError, match="idle_ttl must be a non-negative"):
             cache.acquire("k", load=loader(1), idle_ttl=-1)
         with pytest.raises(TypeError, match="pin must be True or False"):

@@ -31,6 +31,7 @@ from cachebroker import (
     InvalidArgument,
 )
 from cachebroker._core import Request, State, Ticket
+from tests.brokers import open_broker
 from tests.harness import Harness
 from tests.helpers import steps_until
 from tests.remote.support import Plugin, serving
@@ -40,9 +41,9 @@ from tests.shell.support import Loads, release
 
 
 @pytest.mark.anyio
-async def test_one_slot_makes_a_second_acquirer_wait_for_the_lease_not_a_load() -> None:
+async def test_one_slot_makes_a_second_acquirer_wait_for_the_lease_not_a_load(kind: str) -> None:
     load = Loads()
-    async with Broker(budget=100) as broker, broker.cache("m", release) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release) as cache:
         first = await cache.acquire("k", load=load, size=10, concurrency=1)
         got: list[str] = []
 
@@ -61,9 +62,9 @@ async def test_one_slot_makes_a_second_acquirer_wait_for_the_lease_not_a_load() 
 
 
 @pytest.mark.anyio
-async def test_waiters_for_a_slot_are_served_first_come_first_served() -> None:
+async def test_waiters_for_a_slot_are_served_first_come_first_served(kind: str) -> None:
     async with (
-        Broker(budget=100) as broker,
+        open_broker(kind, 100) as broker,
         broker.cache("m", release, concurrency=1) as cache,
     ):
         order: list[int] = []
@@ -83,7 +84,7 @@ async def test_waiters_for_a_slot_are_served_first_come_first_served() -> None:
 
 
 @pytest.mark.anyio
-async def test_joiners_of_a_load_beyond_the_slots_wait_for_a_lease() -> None:
+async def test_joiners_of_a_load_beyond_the_slots_wait_for_a_lease(kind: str) -> None:
     gate = anyio.Event()
 
     async def slow() -> str:
@@ -91,7 +92,7 @@ async def test_joiners_of_a_load_beyond_the_slots_wait_for_a_lease() -> None:
         return "v"
 
     async with (
-        Broker(budget=100) as broker,
+        open_broker(kind, 100) as broker,
         broker.cache("m", release, concurrency=2) as cache,
     ):
         held: list[Any] = []
@@ -118,8 +119,8 @@ async def test_joiners_of_a_load_beyond_the_slots_wait_for_a_lease() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_task_waiting_for_its_own_slot_is_a_deadlock_error() -> None:
-    async with Broker(budget=100) as broker, broker.cache("m", release) as cache:
+async def test_a_task_waiting_for_its_own_slot_is_a_deadlock_error(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release) as cache:
         async with cache.acquire("k", load=Loads(), size=10, concurrency=1):
             with pytest.raises(DeadlockError, match=r"m:'k'.*concurrency=1") as caught:
                 await cache.acquire("k", load=Loads(), size=10)
@@ -130,8 +131,8 @@ async def test_a_task_waiting_for_its_own_slot_is_a_deadlock_error() -> None:
 
 
 @pytest.mark.anyio
-async def test_waiting_for_a_slot_times_out_and_says_for_what() -> None:
-    async with Broker(budget=100) as broker, broker.cache("m", release, concurrency=1) as cache:
+async def test_waiting_for_a_slot_times_out_and_says_for_what(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release, concurrency=1) as cache:
         async with cache.acquire("k", load=Loads(), size=10):
             results: list[BaseException] = []
 
@@ -156,8 +157,8 @@ async def cancellable(scope: anyio.CancelScope, func: Any, *args: Any) -> None:
 
 
 @pytest.mark.anyio
-async def test_cancelling_one_waiter_serves_the_next() -> None:
-    async with Broker(budget=100) as broker, broker.cache("m", release, concurrency=1) as cache:
+async def test_cancelling_one_waiter_serves_the_next(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release, concurrency=1) as cache:
         holder = await cache.acquire("k", load=Loads(), size=10)
         served: list[str] = []
         scope = anyio.CancelScope()
@@ -178,8 +179,8 @@ async def test_cancelling_one_waiter_serves_the_next() -> None:
 
 
 @pytest.mark.anyio
-async def test_raising_the_limit_lets_waiters_in_at_once() -> None:
-    async with Broker(budget=100) as broker, broker.cache("m", release, concurrency=1) as cache:
+async def test_raising_the_limit_lets_waiters_in_at_once(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release, concurrency=1) as cache:
         holder = await cache.acquire("k", load=Loads(), size=10)
         got = anyio.Event()
 
@@ -200,9 +201,9 @@ async def test_raising_the_limit_lets_waiters_in_at_once() -> None:
 
 
 @pytest.mark.anyio
-async def test_closing_the_cache_fails_a_waiter_for_a_slot() -> None:
+async def test_closing_the_cache_fails_a_waiter_for_a_slot(kind: str) -> None:
     errors: list[BaseException] = []
-    async with Broker(budget=100) as broker, anyio.create_task_group() as tg:
+    async with open_broker(kind, 100) as broker, anyio.create_task_group() as tg:
         async with broker.cache("m", release, concurrency=1) as cache:
             holder = await cache.acquire("k", load=Loads(), size=10)
 
@@ -224,8 +225,8 @@ async def test_closing_the_cache_fails_a_waiter_for_a_slot() -> None:
 
 
 @pytest.mark.anyio
-async def test_an_invalidated_entry_serves_its_waiters_then_goes() -> None:
-    async with Broker(budget=100) as broker, broker.cache("m", release, concurrency=1) as cache:
+async def test_an_invalidated_entry_serves_its_waiters_then_goes(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release, concurrency=1) as cache:
         load = Loads()
         holder = await cache.acquire("k", load=load, size=10)
         got: list[str] = []
@@ -245,8 +246,8 @@ async def test_an_invalidated_entry_serves_its_waiters_then_goes() -> None:
 
 
 @pytest.mark.anyio
-async def test_unlimited_by_default_and_bad_limits_are_refused() -> None:
-    async with Broker(budget=100) as broker, broker.cache("m", release) as cache:
+async def test_unlimited_by_default_and_bad_limits_are_refused(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release) as cache:
         leases = [await cache.acquire("k", load=Loads(), size=10) for _ in range(20)]
         assert broker.stats_nowait().waiting_for_lease == 0
         for lease in leases:
@@ -357,14 +358,14 @@ TestSlotMachine.settings = settings(max_examples=60, stateful_step_count=40, dea
 
 
 @pytest.mark.anyio
-async def test_a_prefetch_joined_to_a_load_does_not_wait_for_a_lease_slot() -> None:
+async def test_a_prefetch_joined_to_a_load_does_not_wait_for_a_lease_slot(kind: str) -> None:
     gate = anyio.Event()
 
     async def slow() -> str:
         await gate.wait()
         return "v"
 
-    async with Broker(budget=100) as broker, broker.cache("m", release, concurrency=1) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release, concurrency=1) as cache:
         holder: list[Any] = []
         prefetched = anyio.Event()
 
@@ -390,11 +391,11 @@ async def test_a_prefetch_joined_to_a_load_does_not_wait_for_a_lease_slot() -> N
 
 
 @pytest.mark.anyio
-async def test_a_request_waiting_for_a_slot_sleeps_instead_of_spinning() -> None:
+async def test_a_request_waiting_for_a_slot_sleeps_instead_of_spinning(kind: str) -> None:
     """The entry's wake-up event was set when its load ended: a later waiter
     must park on a fresh one, not loop around the set one (which never lets
     every task block)."""
-    async with Broker(budget=100) as broker, broker.cache("m", release) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release) as cache:
         first = await cache.acquire("k", load=Loads(), size=10, concurrency=1)
 
         async def second() -> None:
@@ -513,8 +514,8 @@ async def test_timeouts_racing_slot_grants_leave_the_books_consistent() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_lease_released_from_a_thread_grants_the_next_waiter() -> None:
-    async with Broker(budget=100) as broker, broker.cache("m", release, concurrency=1) as cache:
+async def test_a_lease_released_from_a_thread_grants_the_next_waiter(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release, concurrency=1) as cache:
         holder = await cache.acquire("k", load=Loads(), size=10)
         got = anyio.Event()
 
@@ -567,10 +568,10 @@ async def test_joiners_beyond_the_slots_all_get_the_load_error_and_nothing_is_le
 
 
 @pytest.mark.anyio
-async def test_an_idle_ttl_zero_entry_serves_its_slot_waiters_before_it_goes() -> None:
+async def test_an_idle_ttl_zero_entry_serves_its_slot_waiters_before_it_goes(kind: str) -> None:
     load = Loads()
     async with (
-        Broker(budget=100) as broker,
+        open_broker(kind, 100) as broker,
         broker.cache("m", release, concurrency=1, idle_ttl=0) as cache,
     ):
         holder = await cache.acquire("k", load=load, size=10)
@@ -624,7 +625,7 @@ async def test_clear_evict_idle_and_pin_leave_slot_waiters_served() -> None:
 
 
 @pytest.mark.anyio
-async def test_closing_the_cache_fails_every_slot_waiter_and_joiner() -> None:
+async def test_closing_the_cache_fails_every_slot_waiter_and_joiner(kind: str) -> None:
     gate = anyio.Event()
 
     async def slow() -> str:
@@ -632,7 +633,7 @@ async def test_closing_the_cache_fails_every_slot_waiter_and_joiner() -> None:
         return "v"
 
     errors: list[BaseException] = []
-    async with Broker(budget=100) as broker, anyio.create_task_group() as tg:
+    async with open_broker(kind, 100) as broker, anyio.create_task_group() as tg:
         async with broker.cache("m", release, concurrency=1) as cache:
             holder = await cache.acquire("ready", load=Loads(), size=10)
 
@@ -666,8 +667,8 @@ async def test_closing_the_cache_fails_every_slot_waiter_and_joiner() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_loader_acquiring_its_own_limited_key_is_a_deadlock_error() -> None:
-    async with Broker(budget=100) as broker, broker.cache("m", release, concurrency=1) as cache:
+async def test_a_loader_acquiring_its_own_limited_key_is_a_deadlock_error(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release, concurrency=1) as cache:
 
         async def recursive() -> str:
             async with cache.acquire("k", load=recursive, size=10):
@@ -679,8 +680,10 @@ async def test_a_loader_acquiring_its_own_limited_key_is_a_deadlock_error() -> N
 
 
 @pytest.mark.anyio
-async def test_a_loader_waiting_for_a_slot_its_requester_holds_is_a_deadlock_error() -> None:
-    async with Broker(budget=100) as broker, broker.cache("m", release, concurrency=1) as cache:
+async def test_a_loader_waiting_for_a_slot_its_requester_holds_is_a_deadlock_error(
+    kind: str,
+) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release, concurrency=1) as cache:
         outcome: list[object] = []
 
         async def load_b() -> str:
@@ -704,7 +707,9 @@ async def test_a_loader_waiting_for_a_slot_its_requester_holds_is_a_deadlock_err
 
 
 @pytest.mark.anyio
-async def test_a_releaser_waiting_for_a_slot_held_by_the_evicting_request_is_refused() -> None:
+async def test_a_releaser_waiting_for_a_slot_held_by_the_evicting_request_is_refused(
+    kind: str,
+) -> None:
     outcome: list[object] = []
     caches: list[Any] = []
 
@@ -717,7 +722,7 @@ async def test_a_releaser_waiting_for_a_slot_held_by_the_evicting_request_is_ref
                 outcome.append(exc)
 
     async with (
-        Broker(budget=100) as broker,
+        open_broker(kind, 100) as broker,
         broker.cache("m", releaser, concurrency=1) as cache,
     ):
         caches.append(cache)
@@ -738,8 +743,10 @@ async def test_a_releaser_waiting_for_a_slot_held_by_the_evicting_request_is_ref
 
 
 @pytest.mark.anyio
-async def test_a_lease_handed_to_another_task_makes_the_next_acquire_wait_not_fail() -> None:
-    async with Broker(budget=100) as broker, broker.cache("m", release, concurrency=1) as cache:
+async def test_a_lease_handed_to_another_task_makes_the_next_acquire_wait_not_fail(
+    kind: str,
+) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("m", release, concurrency=1) as cache:
         send, receive = anyio.create_memory_object_stream[Any](1)
         used: list[str] = []
         errors: list[BaseException] = []
@@ -871,7 +878,7 @@ async def test_stats_waiting_for_lease_follows_the_books_through_churn() -> None
 
 @pytest.mark.anyio
 async def test_unlimited_entries_keep_the_hit_path_after_a_limit_was_set_and_lowered(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     slow: list[Hashable] = []
     original = Cache._acquire_slow
@@ -882,7 +889,7 @@ async def test_unlimited_entries_keep_the_hit_path_after_a_limit_was_set_and_low
 
     monkeypatch.setattr(Cache, "_acquire_slow", counting)
     async with (
-        Broker(budget=100) as broker,
+        open_broker(kind, 100) as broker,
         broker.cache("m", release) as cache,
         contextlib.AsyncExitStack() as held,
     ):

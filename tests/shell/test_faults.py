@@ -16,6 +16,7 @@ from cachebroker import (
     LeasesOutstanding,
     OutOfSpace,
 )
+from tests.brokers import daemon_of, open_broker
 from tests.helpers import Recorder, loader, wait_until
 from tests.shell.support import Faulty, fill
 
@@ -23,10 +24,10 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_release_that_raises_quarantines_keeps_bytes_and_evicts_another(
-    events: list[MutableMapping[str, Any]],
+    events: list[MutableMapping[str, Any]], kind: str
 ) -> None:
     plugin = Faulty(a="raise")
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", plugin) as cache:
         await fill(cache, "a")
         await fill(cache, "b")
         async with cache.acquire("c", load=loader("c"), size=50):
@@ -60,10 +61,10 @@ async def test_waiter_that_only_forget_could_serve_fails_fast_and_forget_returns
         assert await broker.forget("p", "a") == 0
 
 
-async def test_release_past_timeout_is_quarantined_and_late_ack_frees_bytes() -> None:
+async def test_release_past_timeout_is_quarantined_and_late_ack_frees_bytes(kind: str) -> None:
     plugin = Faulty(a="late")
     async with (
-        Broker(budget=100, release_timeout=0.02) as broker,
+        open_broker(kind, 100, release_timeout=0.02) as broker,
         broker.cache("p", plugin) as cache,
     ):
         await fill(cache, "a", size=60)
@@ -106,7 +107,7 @@ async def test_releaser_may_call_stats_and_invalidate() -> None:
         await wait_until(lambda: broker.stats_nowait().used == {"default": 60})
 
 
-async def test_releaser_waiting_for_space_is_a_clear_error_not_a_deadlock() -> None:
+async def test_releaser_waiting_for_space_is_a_clear_error_not_a_deadlock(kind: str) -> None:
     errors: list[BaseException] = []
 
     class Greedy:
@@ -119,7 +120,7 @@ async def test_releaser_waiting_for_space_is_a_clear_error_not_a_deadlock() -> N
                 errors.append(exc)
 
     plugin = Greedy()
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", plugin) as cache:
         plugin.cache = cache
         await fill(cache, "a", size=100)
         await fill(cache, "b", size=50)
@@ -127,7 +128,7 @@ async def test_releaser_waiting_for_space_is_a_clear_error_not_a_deadlock() -> N
         assert broker.stats_nowait().waiting == 0
 
 
-async def test_releaser_may_lease_what_is_already_loaded() -> None:
+async def test_releaser_may_lease_what_is_already_loaded(kind: str) -> None:
     got: list[str] = []
 
     class Sharing:
@@ -139,7 +140,7 @@ async def test_releaser_may_lease_what_is_already_loaded() -> None:
                     got.append(lease.value)
 
     plugin = Sharing()
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", plugin) as cache:
         plugin.cache = cache
         async with cache.acquire("shared", load=loader("S"), size=10):
             await fill(cache, "a", size=80)
@@ -147,8 +148,8 @@ async def test_releaser_may_lease_what_is_already_loaded() -> None:
         assert got == ["S"]
 
 
-async def test_loader_may_acquire_other_keys_and_read_stats() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_loader_may_acquire_other_keys_and_read_stats(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()) as cache:
 
         async def load_pipeline() -> str:
             async with cache.acquire("tokenizer", load=loader("tok"), size=10) as tok:
@@ -159,8 +160,8 @@ async def test_loader_may_acquire_other_keys_and_read_stats() -> None:
             assert lease.value == "pipeline(tok, loading=1)"
 
 
-async def test_cancelled_lease_holder_gives_its_lease_back() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_cancelled_lease_holder_gives_its_lease_back(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()) as cache:
         with anyio.move_on_after(0.01):
             async with cache.acquire("k", load=loader(1), size=10):
                 await anyio.sleep_forever()
@@ -168,8 +169,8 @@ async def test_cancelled_lease_holder_gives_its_lease_back() -> None:
         assert (stats.leased, stats.ready, stats.used) == (0, 1, {"default": 10})
 
 
-async def test_cancelled_waiter_for_space_leaves_no_trace() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_cancelled_waiter_for_space_leaves_no_trace(kind: str) -> None:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()) as cache:
         async with cache.acquire("held", load=loader(1), size=80):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(fill, cache, "big")
@@ -181,10 +182,12 @@ async def test_cancelled_waiter_for_space_leaves_no_trace() -> None:
 
 
 async def test_big_request_is_not_starved_by_small_ones_that_fit(
-    events: list[MutableMapping[str, Any]],
+    events: list[MutableMapping[str, Any]], kind: str
 ) -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, 100) as broker, broker.cache("p", Recorder()) as cache:
         release_held = anyio.Event()
+        # The books that grant: these, or the daemon's (where ``p`` is ``p@pid``).
+        granting = "p" if daemon_of(broker) is None else "p@"
 
         async def holder() -> None:
             async with cache.acquire("held", load=loader("held"), size=60):
@@ -201,15 +204,22 @@ async def test_big_request_is_not_starved_by_small_ones_that_fit(
             assert broker.stats_nowait().loading == 0  # the small ones fit, but queue
             release_held.set()
     # Grants follow arrival order (tasks may then resume in any order: trio shuffles them).
-    arrived = [e["key"] for e in events if e["event"] == "cachebroker.wait"]
-    granted = [e["key"] for e in events if e["event"] == "cachebroker.grant"]
-    assert arrived[0] == "big"
-    assert granted == ["held", *arrived]
+    # (Connected, the daemon's events are logged here too: its keys show as ``repr``.)
+    asked = [
+        repr(e["key"]) for e in events if e["event"] == "cachebroker.miss" and e["cache"] == "p"
+    ]
+    granted = [
+        repr(e["key"])
+        for e in events
+        if e["event"] == "cachebroker.grant" and e["cache"].startswith(granting)
+    ]
+    assert asked[:2] == ["'held'", "'big'"]
+    assert granted == asked
 
 
-async def test_leaving_cache_waits_for_leases_then_releases() -> None:
+async def test_leaving_cache_waits_for_leases_then_releases(kind: str) -> None:
     plugin = Recorder()
-    async with Broker(budget=100, release_timeout=5) as broker:
+    async with open_broker(kind, 100, release_timeout=5) as broker:
         lease_ended = anyio.Event()
         async with anyio.create_task_group() as tg:
             async with broker.cache("p", plugin) as cache:
@@ -226,9 +236,11 @@ async def test_leaving_cache_waits_for_leases_then_releases() -> None:
         assert (await broker.stats()).used == {"default": 0}
 
 
-async def test_leaving_cache_with_lease_held_past_bound_fails_loudly_and_frees_nothing() -> None:
+async def test_leaving_cache_with_lease_held_past_bound_fails_loudly_and_frees_nothing(
+    kind: str,
+) -> None:
     plugin = Recorder()
-    async with Broker(budget=100, release_timeout=0.02) as broker:
+    async with open_broker(kind, 100, release_timeout=0.02) as broker:
         with pytest.raises(LeasesOutstanding, match="still leased") as info:
             async with broker.cache("p", plugin) as cache:
                 lease = await cache.acquire("k", load=loader("in use"), size=10)

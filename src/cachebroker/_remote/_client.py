@@ -637,6 +637,8 @@ class Link:
         }
         if not entry.requests:  # made by a prefetch: no request for the policy there either
             message["prefetch"] = True
+        if entry.shell.from_release:  # refused there rather than made to wait, as here
+            message["releasing"] = True
         self.priorities[entry] = entry.priority
         self.admitting[id] = _Admission(message)
         if self.online:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import anyio
 import anyio.abc
+import attrs
 
 from .. import _log_events as ev
 from .._core import Entry, Reason, Request, State, Ticket
@@ -82,6 +83,18 @@ class _Key:
 
     def __repr__(self) -> str:
         return self.text
+
+
+@attrs.frozen
+class _How:
+    """How a process made a request, as its ``acquire`` says (``Relay.request``)."""
+
+    #: A load of unknown size from inside a loader, or by a lease holder: past the gate.
+    urgent: bool
+    #: A request, not a prefetch's (which the policy does not count).
+    counted: bool
+    #: Made by a release (or a move) there: refused rather than made to wait.
+    releasing: bool
 
 
 class _Holder:
@@ -322,19 +335,20 @@ class Connection:
         )
         self.mirrors[id] = mirror
         assert self.tg is not None
-        counted = not message.get("prefetch")
-        self.tg.start_soon(
-            self._acquire, mirror, request, bool(message.get("urgent")), held, loads, counted
+        how = _How(
+            urgent=bool(message.get("urgent")),
+            counted=not message.get("prefetch"),
+            releasing=bool(message.get("releasing")),
         )
+        self.tg.start_soon(self._acquire, mirror, request, how, held, loads)
 
     async def _acquire(
         self,
         mirror: _Mirror,
         request: Request,
-        urgent: bool,
+        how: _How,
         holding: tuple[_Mirror, ...],
         loads: tuple[_Mirror, ...],
-        counted: bool,
     ) -> None:
         block = mirror.space.block
         assert block is not None
@@ -355,10 +369,11 @@ class Connection:
                 entry, task = await self.runner.request(
                     block.owner,
                     request,
-                    urgent=urgent,
+                    urgent=how.urgent,
                     held=held,
                     loading=_loading(loads),
-                    counted=counted,
+                    counted=how.counted,
+                    releasing=how.releasing,
                 )
             except Exception as exc:
                 loaded = block.owner.entries.get(mirror.key)

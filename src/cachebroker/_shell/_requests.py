@@ -59,6 +59,7 @@ class Requests:
         bound: bool = True,
         loading: tuple[Entry, ...] | None = None,
         counted: bool = True,
+        releasing: bool = False,
     ) -> tuple[Entry, object]:
         """``Runner.request``: the entry and the lease's holder."""
         steps = self._steps
@@ -78,7 +79,8 @@ class Requests:
             assert made is not None
             ticket = made
         entry = ticket.entry
-        if ticket.outcome is None and task in self._releases.releasing_tasks:
+        releasing = releasing or task in self._releases.releasing_tasks
+        if ticket.outcome is None and releasing:
             self._refuse_from_release(ticket)
         if ticket.outcome is True:
             steps.apply()
@@ -96,6 +98,9 @@ class Requests:
             return await self._wait(ticket, request.timeout)
         if entry.shell is None:
             entry.shell = self._slot(request)
+            # (Granted here, it may still wait for another broker's grant, which is
+            # asked to refuse it rather than make it wait: ``_refuse_from_release``.)
+            entry.shell.from_release = releasing
             steps.log.debug(ev.MISS, cache=name, key=key, bytes=request.need)
         if entry.state is State.WAITING:
             steps.log.debug(ev.WAIT, cache=name, key=key, bytes=entry.need)
@@ -122,7 +127,10 @@ class Requests:
         entry = ticket.entry
         for_slot = entry.state is State.READY
         moving = entry.state in (State.MOVING, State.DEMOTED)
-        if entry.state is State.WAITING or for_slot or moving:
+        # (A load granted here that still waits for another broker's grant waits for
+        # space there: ``Remote.admitting``.)
+        waiting = entry.state is State.WAITING or entry in self._remote.admitting()
+        if waiting or for_slot or moving:
             self._steps.core.leave(ticket)
             self._steps.apply()
             raise DeadlockError(

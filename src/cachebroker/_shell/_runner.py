@@ -439,6 +439,7 @@ class Runner:
         bound: bool = True,
         loading: tuple[Entry, ...] | None = None,
         counted: bool = True,
+        releasing: bool = False,
     ) -> Coroutine[Any, Any, tuple[Entry, object]]:
         """Acquire ``request.key`` when it is not ready, or limited (a miss, a join, a slot
         wait): the entry and its holder (``Requests.request``).
@@ -447,10 +448,18 @@ class Runner:
         ``urgent``, ``held`` and ``loading`` (the loads it is made from, by default
         those this task runs in) are for a request relayed from another process,
         ``bound`` says whether only this task can end the lease (``Core.request``);
-        ``counted=False``: a prefetch's, relayed (``Core.prefetch``).
+        ``counted=False``: a prefetch's, relayed (``Core.prefetch``); ``releasing``: a
+        release's there (refused rather than made to wait).
         """
         return self.requests.request(
-            owner, request, urgent=urgent, held=held, bound=bound, loading=loading, counted=counted
+            owner,
+            request,
+            urgent=urgent,
+            held=held,
+            bound=bound,
+            loading=loading,
+            counted=counted,
+            releasing=releasing,
         )
 
     def adopt(

@@ -250,10 +250,13 @@ class Relay(Protocol):
         held: tuple[Entry, ...] | None = None,
         loading: tuple[Entry, ...] | None = None,
         counted: bool = True,
+        releasing: bool = False,
     ) -> tuple[Entry, object]:
         """A process's request (``wire.decode_request``): the entry and the lease's holder,
         once granted. ``loading``: the entries whose loads (there) make it; ``counted``:
-        whether it is a request (not one made by a prefetch there, ``Core.prefetch``)."""
+        whether it is a request (not one made by a prefetch there, ``Core.prefetch``);
+        ``releasing``: made by a release (or a move) there, it is refused rather than
+        made to wait (``DeadlockError``), as in-process."""
 
     def adopt(
         self,

@@ -87,6 +87,7 @@ class Slot:
         "abandoned",
         "cancelled",
         "done",
+        "from_release",
         "is_async",
         "load",
         "measure",
@@ -120,6 +121,8 @@ class Slot:
         self.released: anyio.Event | None = None
         self.scope: anyio.CancelScope | None = None
         self.cancelled = False
+        #: Its request came from a release or a move: it may not wait for space.
+        self.from_release = False
         #: The wait for a worker thread (``Loads._load_in_thread``), and whether
         #: the closing cache gave the load up.
         self.thread_wait: anyio.CancelScope | None = None
