@@ -28,6 +28,7 @@ from cachebroker import (
     AcquireTimeout,
     Broker,
     BrokerClosed,
+    Cache,
     DeadlockError,
     InvalidArgument,
     OutOfSpace,
@@ -1248,13 +1249,9 @@ async def serving() -> AsyncIterator[Daemon]:
                     tg.cancel_scope.cancel()
 
 
-@pytest.mark.anyio
-async def test_a_connected_broker_is_placed_by_the_daemon_s_books() -> None:
-    """Placement across processes: ``two``'s own books see nothing on either GPU (they
-    would choose ``cuda:0``); the daemon's see ``one``'s 80 on ``cuda:0`` and place
-    ``two``'s 60 on ``cuda:1``, which ``two``'s loader is told, and where both books
-    charge it."""
-    seen: list[str] = []
+@contextlib.asynccontextmanager
+async def two_processes() -> AsyncIterator[tuple[Daemon, Broker, Cache, Broker, Cache]]:
+    """A daemon and two brokers connected to it, each with its cache ``m``."""
     async with (
         serving() as daemon,
         Broker.connect(daemon.address) as one,
@@ -1262,6 +1259,17 @@ async def test_a_connected_broker_is_placed_by_the_daemon_s_books() -> None:
         one.cache("m", discard) as first,
         two.cache("m", discard) as second,
     ):
+        yield daemon, one, first, two, second
+
+
+@pytest.mark.anyio
+async def test_a_connected_broker_is_placed_by_the_daemon_s_books() -> None:
+    """Placement across processes: ``two``'s own books see nothing on either GPU (they
+    would choose ``cuda:0``); the daemon's see ``one``'s 80 on ``cuda:0`` and place
+    ``two``'s 60 on ``cuda:1``, which ``two``'s loader is told, and where both books
+    charge it."""
+    seen: list[str] = []
+    async with two_processes() as (daemon, _one, first, two, second):
         async with first.acquire("x", load=lambda: "X", size={"cuda:0": 80}):
             places = ["cuda:0", "cuda:1"]
             async with second.acquire("y", load=told(seen), size=60, spaces=places) as lease:
@@ -1280,13 +1288,7 @@ async def test_a_connected_placed_waiter_goes_where_room_appears_first() -> None
     """Both GPUs full with ``one``'s leases: ``two``'s placed request waits at the
     daemon in both lines, and is placed on the GPU whose lease ends first."""
     seen: list[str] = []
-    async with (
-        serving() as daemon,
-        Broker.connect(daemon.address) as one,
-        Broker.connect(daemon.address) as two,
-        one.cache("m", discard) as first,
-        two.cache("m", discard) as second,
-    ):
+    async with two_processes() as (daemon, _one, first, _two, second):
         a = await first.acquire("a", load=lambda: "A", size={"cuda:0": 90})
         b = await first.acquire("b", load=lambda: "B", size={"cuda:1": 90})
         async with anyio.create_task_group() as tg:
