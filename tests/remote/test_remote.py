@@ -38,6 +38,7 @@ from cachebroker._remote._client import LinkAdmission
 from cachebroker._remote._connection import Connection
 from cachebroker._remote._daemon import Daemon
 from cachebroker.probes import Probe
+from tests.helpers import steps_until
 from tests.remote.support import Plugin, link_of, serving, states, stoppable, until, used, value
 
 pytestmark = pytest.mark.anyio
@@ -1122,3 +1123,23 @@ async def test_a_release_refused_then_idle_again_in_one_batch_is_asked_again() -
         await stream.aclose()
         await until(lambda: not daemon.connections)
         settled(daemon)
+
+
+async def test_stats_of_a_closed_connected_broker_do_not_wait_for_the_daemon() -> None:
+    """Once closed, a connected broker's ``stats()`` has no daemon to ask: it answers at
+    once (within a few loop steps, not a wait for an answer that cannot come), with
+    ``broker_used`` unknown, and its own counters as they were."""
+    async with serving() as daemon:
+        async with Broker.connect(daemon.address) as broker, broker.cache("c", Plugin()) as c:
+            async with c.acquire("a", load=value("A"), size=10):
+                pass
+        got: list[Any] = []
+
+        async def ask() -> None:
+            got.append(await broker.stats())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+            assert await steps_until(lambda: bool(got), steps=50)
+        assert got[0].broker_used is None
+        assert (got[0].misses, got[0].loads) == (1, 1)

@@ -701,8 +701,9 @@ class Link:
         return self.questions.ask_why(self.ids[entry])
 
     async def fetch_totals(self) -> dict[str, Any] | None:
-        """The daemon's books per space now (``Stats.broker_used``); ``None`` when it is gone."""
-        if self.error is not None or not self.online:
+        """The daemon's books per space now (``Stats.broker_used``); ``None`` when it is gone
+        (or the link no longer runs: the broker closed)."""
+        if self.error is not None or not self.online or not self.running:
             return None
         self._totals_asked += 1
         mine = self._totals_asked
