@@ -48,10 +48,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests/ray/ray_app.py: the deployments, shared with the tests
 
 
-from tests.ray import ray_app  # noqa: E402
-
 from cachebroker import format_bytes, parse_bytes  # noqa: E402
 from cachebroker.simulator import builtin_workload  # noqa: E402
+from tests.ray import ray_app  # noqa: E402
 
 ray: Any = importlib.import_module("ray")
 serve: Any = importlib.import_module("ray.serve")

@@ -643,8 +643,9 @@ async def test_router_classes_shipped_by_value_share_their_deployments_books(
     import importlib
     import weakref
 
-    from cachebroker.ray import BrokerRouter, _router
     from ray import cloudpickle
+
+    from cachebroker.ray import BrokerRouter, _router
 
     module = importlib.import_module(BrokerRouter.__module__)  # (as Serve finds it)
     assert module.__name__ == "cachebroker.ray"
