@@ -30,6 +30,7 @@ from cachebroker import (
     LeasesOutstanding,
     WrongEventLoop,
 )
+from tests.brokers import daemon_of, open_broker
 from tests.helpers import Recorder, loader, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -107,8 +108,10 @@ async def test_measure_corrects_a_declared_size_and_is_remembered() -> None:
     assert broker.export_sizes() == {"p": {"a": {"default": 300}}}  # after the block, too
 
 
-async def test_sizes_exported_by_one_broker_are_reserved_by_the_next() -> None:
-    async with Broker(budget=1000, sizes={"p": {"a": "200B"}}) as broker:
+async def test_sizes_exported_by_one_broker_are_reserved_by_the_next(kind: str) -> None:
+    """Connected, the process reserves the remembered size at the daemon too."""
+    async with open_broker(kind, 1000, sizes={"p": {"a": "200B"}}) as broker:
+        daemon = daemon_of(broker)
         async with broker.cache("p", Recorder()) as cache:
             gate = anyio.Event()
 
@@ -120,6 +123,8 @@ async def test_sizes_exported_by_one_broker_are_reserved_by_the_next() -> None:
                 tg.start_soon(once, cache.acquire("a", load=slow, size=len))
                 await wait_until(lambda: broker.stats_nowait().loading == 1)
                 assert broker.stats_nowait().used == {"default": 200}
+                if daemon is not None:
+                    await wait_until(lambda: daemon.totals()["used"] == {"default": 200})
                 gate.set()
 
 
@@ -135,6 +140,27 @@ async def test_sizes_exported_by_one_broker_are_reserved_by_the_next() -> None:
 def test_bad_sizes_are_refused_with_their_place(sizes: Any, error: type[Exception]) -> None:
     with pytest.raises(error):
         Broker(budget=100, sizes=sizes)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "error"),
+    [
+        ({"p": {"a": "lots"}}, InvalidArgument),
+        ({"p": {"a": {"gpu": 10}}}, InvalidArgument),
+        ({"p": ["a"]}, TypeError),
+    ],
+)
+async def test_bad_sizes_of_a_connected_broker_are_refused_when_it_is_entered(
+    sizes: Any, error: type[Exception]
+) -> None:
+    """Checked against the daemon's spaces, which the broker learns on connecting."""
+    async with open_broker("connected", 100) as other:
+        daemon = daemon_of(other)
+        assert daemon is not None
+        with pytest.raises(error, match="sizes"):
+            async with Broker.connect(daemon.address, sizes=sizes):
+                pass
+        await wait_until(lambda: len(daemon.connections) == 1)  # (only ``other``'s)
 
 
 async def test_size_callable_and_measure_together_are_refused() -> None:

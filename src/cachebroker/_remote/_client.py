@@ -33,7 +33,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from .. import _log_events as ev
 from .._core import Entry, Reason, Request, State
 from .._errors import BrokerClosed, DeadlockError
-from .._shell._config import oom_error_types
+from .._shell._config import oom_error_types, remembered_sizes
 from .._shell._runner import Runner
 from .._shell._seam import FailedThere, Freed, Refused, Terms
 from .._shell._steps import Spawn, Steps
@@ -723,6 +723,7 @@ def connected_runner(
     oom_errors: tuple[type[BaseException], ...] = (),
     oom_retries: int = 8,
     reconnect: Reconnect | None = None,
+    sizes: Mapping[str, Mapping[Any, Any]] | None = None,
 ) -> Runner:
     """The runner of a broker connected to a shared one (``Broker.connect``).
 
@@ -744,7 +745,7 @@ def connected_runner(
         alias_threshold=3,
         clock=None,
         logger=logger,
-        remote=LinkAdmission(address, reconnect),
+        remote=LinkAdmission(address, reconnect, sizes),
     )
 
 
@@ -757,12 +758,20 @@ class LinkAdmission:
     grant, and has each load wait for the daemon's grant (``Link.admit``).
     """
 
-    __slots__ = ("_runner", "address", "link", "opened", "reconnect", "shared_used")
+    __slots__ = ("_runner", "address", "link", "opened", "reconnect", "shared_used", "sizes")
 
     admits_elsewhere = True
 
-    def __init__(self, address: str, reconnect: Reconnect | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        reconnect: Reconnect | None = None,
+        sizes: Mapping[str, Mapping[Any, Any]] | None = None,
+    ) -> None:
         self.address = address
+        #: Measured sizes to start from (``Broker.connect(sizes=)``), checked against the
+        #: daemon's spaces once it says them.
+        self.sizes = sizes
         self.link: Link | None = None
         self.reconnect = Reconnect() if reconnect is None else reconnect
         #: The caches open here, in the order they were opened (``Link.register``).
@@ -780,6 +789,8 @@ class LinkAdmission:
             release_timeout = welcome.get("release_timeout")
             limit = wire.charge(welcome, "limit")
             core = client_books(budget, idle_ttl, limit, seam=link.seam)
+            for cache_name, key, charge in remembered_sizes(self.sizes, budget):
+                core.remember(cache_name, key, charge)
         except BaseException:
             await anyio.aclose_forcefully(link.stream)  # type: ignore[arg-type]
             raise

@@ -208,6 +208,7 @@ class Broker:
         logger: Any = None,
         oom_errors: type[BaseException] | tuple[type[BaseException], ...] = (),
         oom_retries: int = 8,
+        sizes: Mapping[str, Mapping[Any, Any]] | None = None,
         reconnect: bool = True,
         reconnect_delay: float = 0.05,
         reconnect_max_delay: float = 1.0,
@@ -240,6 +241,9 @@ class Broker:
             oom_errors: As for ``Broker``: free and retry frees idle entries of
                 any process, in the daemon's policy order, then retries.
             oom_retries: As for ``Broker``.
+            sizes: As for ``Broker``: measured sizes to start from
+                (``export_sizes()``), checked against the daemon's spaces when
+                the broker is entered.
             reconnect: Whether to connect again when the daemon goes away.
             reconnect_delay: Seconds before the first try; each failed try
                 doubles the wait ...
@@ -248,7 +252,7 @@ class Broker:
                 gives up (``None``: it never does).
 
         .. versionchanged:: 0.1.0
-           ``reconnect`` and its settings; ``oom_retries``.
+           ``reconnect`` and its settings; ``oom_retries``, ``sizes``.
         """
         from .._remote._client import Reconnect, connected_runner  # (only when asked for)
 
@@ -267,6 +271,7 @@ class Broker:
             logger=_logging.check_logger(logger),
             oom_errors=oom_error_types(oom_errors),
             oom_retries=oom_retry_bound(oom_retries),
+            sizes=sizes,
             reconnect=Reconnect(reconnect, delay, max_delay, timeout),
         )
         broker = cls.__new__(cls)
