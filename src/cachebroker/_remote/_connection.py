@@ -439,11 +439,15 @@ class Connection:
             if connection is self
         }
 
-    def why(self, id: int) -> None:
-        """Say why request ``id`` has no room yet, in the books' words (``Core.why_no_room``)."""
+    def _entry_of(self, id: int) -> Entry | None:
+        """The daemon's entry of this process's request ``id`` (``None``: none here)."""
         mirror = self.mirrors.get(id)
         block = None if mirror is None else mirror.space.block
-        entry = None if mirror is None or block is None else block.owner.entries.get(mirror.key)
+        return None if mirror is None or block is None else block.owner.entries.get(mirror.key)
+
+    def why(self, id: int) -> None:
+        """Say why request ``id`` has no room yet, in the books' words (``Core.why_no_room``)."""
+        entry = self._entry_of(id)
         text = None
         if entry is not None and entry.state is State.WAITING and entry.need:
             text = wire.rename(self.runner.core.why_no_room(entry), self.names())
@@ -454,9 +458,7 @@ class Connection:
         books (idle entries of any process, in the policy's order, ``Core.free_for_retry``),
         and answer ``freed`` once their releases ended. Nothing to free (or no such
         load here): no victims, and the process's load fails with ``OutOfSpace``."""
-        mirror = self.mirrors.get(id)
-        block = None if mirror is None else mirror.space.block
-        entry = None if mirror is None or block is None else block.owner.entries.get(mirror.key)
+        entry = self._entry_of(id)
         victims: list[Entry] = []
         if entry is not None and entry.state is State.LOADING:
             victims = self.runner.core.free_for_retry(entry)
