@@ -44,6 +44,8 @@ async def open_broker(kind: str, budget: Any, **settings: Any) -> AsyncIterator[
     assert kind == "connected", kind
     # (the process's own settings: how its loads retry; the rest are the daemon's)
     mine = {name: settings.pop(name) for name in CONNECT_SETTINGS if name in settings}
+    if "clock" in settings:  # (both run timers: the process its entries' idle TTLs)
+        mine["clock"] = settings["clock"]
     directory = tempfile.mkdtemp(prefix="cb-", dir="/tmp")  # (socket paths are short)
     daemon = Daemon(DaemonBroker(budget, **settings), os.path.join(directory, "s.sock"))
     try:

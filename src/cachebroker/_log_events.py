@@ -26,6 +26,7 @@ MOVE_START: Final = "cachebroker.move.start"
 MOVE_DONE: Final = "cachebroker.move.done"
 MOVE_FAILED: Final = "cachebroker.move.failed"
 MOVE_STAYED: Final = "cachebroker.move.stayed"
+MOVE_REFUSED: Final = "cachebroker.move.refused"
 RELEASE_FREED: Final = "cachebroker.release.freed"
 RELEASE_FAILED: Final = "cachebroker.release.failed"
 QUARANTINE_FORGOTTEN: Final = "cachebroker.quarantine.forgotten"
@@ -66,6 +67,7 @@ ALL: Final = (
     MOVE_DONE,
     MOVE_FAILED,
     MOVE_STAYED,
+    MOVE_REFUSED,
     RELEASE_FREED,
     RELEASE_FAILED,
     QUARANTINE_FORGOTTEN,

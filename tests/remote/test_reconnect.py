@@ -54,10 +54,11 @@ class Daemons:
         self.address = address
         self.scope: anyio.CancelScope | None = None
 
-    async def start(self, budget: Any = None, **options: Any) -> Daemon:
-        daemon = Daemon(
-            DaemonBroker(budget or {"m": 100}, release_timeout=3), self.address, **options
-        )
+    async def start(
+        self, budget: Any = None, *, tiers: dict[str, str] | None = None, **options: Any
+    ) -> Daemon:
+        broker = DaemonBroker(budget or {"m": 100}, release_timeout=3, tiers=tiers)
+        daemon = Daemon(broker, self.address, **options)
         scope = self.scope = anyio.CancelScope()
 
         async def run() -> None:

@@ -310,7 +310,8 @@ class Core(Books):
         entry = ticket.entry
         if ticket.outcome is None and _transitions.withdraw(self, ticket):
             schedule(self)
-        if self.seam is not None and entry.state is State.LOADING and not entry.joiners:
+        going = entry.state is State.LOADING or (entry.state is State.MOVING and entry.promoting)
+        if self.seam is not None and going and not entry.joiners:
             self.seam.withdrawn(entry)
 
     def prefetch(
@@ -485,18 +486,26 @@ class Core(Books):
         if entry.state is not State.MOVING or entry in self.demoting:
             return False
         stayed = _transitions.moved(self, entry, value, measured, seconds, now)
+        if self.seam is not None:
+            self.seam.moved(entry)
         schedule(self)
         return stayed
 
-    def move_failed(self, entry: Entry, error: BaseException) -> None:
+    def move_failed(self, entry: Entry, error: BaseException, *, ran: bool = True) -> None:
         """The move raised or timed out: quarantined, charged where it was and where it went.
 
         Nobody knows which of the two holds the value now, so both charges
-        stay until ``forget``; its requesters get ``error``.
+        stay until ``forget``; its requesters get ``error``. ``ran=False``:
+        the move never began (books above refused it, or its wait for them
+        was cancelled): the value is where it was, and so is the entry;
+        only its requesters get ``error``.
         """
         if entry.state is not State.MOVING or entry in self.demoting:
             return
-        _transitions.move_failed(self, entry, error)
+        if ran:
+            _transitions.move_failed(self, entry, error)
+        else:
+            _transitions.unmove(self, entry, None, error)
         schedule(self)
 
     def load_abandoned(self, entry: Entry) -> None:
@@ -780,14 +789,30 @@ class Core(Books):
 
     # ------------------------------------------------- owners in other processes
 
-    def give_up(self, entry: Entry, reason: Reason = Reason.CAPACITY) -> bool:
+    def give_up(
+        self, entry: Entry, reason: Reason = Reason.CAPACITY, to: dict[str, int] | None = None
+    ) -> bool:
         """Books above these ones (a shared broker) picked ``entry`` as a victim (``reason``).
 
         An idle entry's release starts now. Returns ``False`` when the entry
         is leased or pinned, so the release is refused; ``True`` when its
         release started or is already under way (or over).
+
+        ``to``: move it instead, to be charged so (a tier down, as the books
+        above decided and made room for): only an idle entry, ready or
+        demoted, moves; ``False`` for any other (the move is refused).
         """
         _transitions.settle(self)
+        if to is not None:
+            idle = entry.state in (State.READY, State.DEMOTED) and entry not in self.queue
+            if not idle or entry.leases or entry.pinned or entry.doomed is not None:
+                return False
+            _transitions.start_move(self, entry, to)
+            return True
+        if entry.state is State.DEMOTED and entry not in self.queue:
+            _transitions.start_release(self, entry, reason)
+            schedule(self)
+            return True
         if entry.state is State.READY:
             if entry.leases or entry.pinned:
                 seam = self.seam
@@ -806,8 +831,17 @@ class Core(Books):
         For books whose owners live in other processes, where a lease taken
         there reaches these books only after the release was asked for. The
         entry is ready again, leased by ``holder``; the requests its bytes
-        were meant for look for other room.
+        were meant for look for other room. A move asked of the owner (a
+        demotion, or a promotion nobody there waits for any more) is called
+        off the same way: the entry stays where it was (``holder`` ``None``:
+        idle there).
         """
+        if entry.state is State.MOVING and entry not in self.demoting:
+            # A move asked of the owner, refused (``None``: the owner lets it go
+            # on its own, or no longer has it as it was): called off.
+            _transitions.unmove(self, entry, holder, BrokerClosed("the move was refused"))
+            schedule(self)
+            return
         if entry.state is not State.RELEASING:
             if self.overdue.end(entry):  # refused after its timeout: it stays quarantined
                 _transitions.strand(self)
@@ -815,20 +849,39 @@ class Core(Books):
             return
         for name, amount in entry.charge.items():
             self.spaces[name].releasing -= amount
-        entry.state = State.READY
-        entry.leases += 1
-        entry.holders.append(holder)
-        self.busy[entry] = None
+        if entry.home is not None or holder is None:
+            # Demoted (its owner brings it back up), or refused by an owner that
+            # keeps it idle: an eviction candidate again.
+            entry.state = State.READY if entry.home is None else State.DEMOTED
+            _transitions.rest(self, entry, entry.idle_since)
+        else:
+            entry.state = State.READY
+            entry.leases += 1
+            entry.holders.append(holder)
+            self.busy[entry] = None
         sync(entry)
         schedule(self)
+
+    def park(self, entry: Entry, home: dict[str, int]) -> None:
+        """Books above these ones took on ``entry`` (``adopt``) as its owner holds it:
+        demoted, its home ``home``; an acquire brings it back up there. Ignored
+        unless it is ready and idle."""
+        if entry.state is State.READY and not entry.leases and not entry.pinned:
+            if self.canon:
+                home = canonical(self.canon, home)
+            _transitions.park(self, entry, home)
+            schedule(self)
 
     def let_go(self, entry: Entry, reason: Reason) -> None:
         """The owner releases ``entry`` on its own (from another process).
 
-        Now, or when its last lease ends.
+        Now, or when its last lease (or its move between tiers) ends.
         """
         if entry.state is State.READY and entry.doomed is None:
             _transitions.doom(self, entry, reason)
+            schedule(self)
+        elif entry.state in (State.DEMOTED, State.MOVING) and entry.doomed is None:
+            _transitions.doom_parked(self, entry, reason)  # (moving: once its move ends)
             schedule(self)
 
     def drop_owner(self, owner: Owner) -> None:
@@ -859,6 +912,11 @@ class Core(Books):
         """Books above these ones (a shared broker) chose ``space`` among ``entry``'s
         places for its load: its reservation moves there before the load runs."""
         name = self.canon.get(space, space)
+        if entry.state is State.MOVING and entry.promoting and entry.target is not None:
+            # A promotion not begun: the books above brought it back elsewhere.
+            if name not in entry.target:
+                _transitions.retarget(self, entry, {name: sum(entry.target.values())})
+            return
         if entry.state is not State.LOADING or entry.places is None or name in entry.charge:
             return
         _transitions.recharge(self, entry, {name: sum(entry.charge.values())})

@@ -16,6 +16,7 @@ Announcements, each after the books changed:
   next report is sent.
 - ``leased`` / ``ended``: the entry took a lease, or its last lease ended.
 - ``loaded``: a load ended, the entry charged as measured.
+- ``moved``: a move ended, the entry charged where it went (as measured).
 - ``withdrawn``: every requester of a load left (the load is cancelled).
 - ``releasing``: a release started, and why.
 - ``quarantined`` and ``gone``: the entry left its key for good.
@@ -52,6 +53,8 @@ class Seam(Protocol):
     def ended(self, entry: Entry) -> None: ...
 
     def loaded(self, entry: Entry) -> None: ...
+
+    def moved(self, entry: Entry) -> None: ...
 
     def withdrawn(self, entry: Entry) -> None: ...
 

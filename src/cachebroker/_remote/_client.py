@@ -87,6 +87,14 @@ def _report(entry: Entry, overdue: bool = False) -> str:
     return str(state.value)  # releasing, quarantined, gone
 
 
+def _opening(cache: str, moves: bool) -> dict[str, Any]:
+    """The ``open`` message of ``cache`` (``moves``: its releaser moves values between tiers)."""
+    message: dict[str, Any] = {"op": "open", "cache": cache}
+    if moves:
+        message["moves"] = True
+    return message
+
+
 def _key_text(key: Hashable) -> str:
     try:
         text = repr(key)
@@ -98,11 +106,13 @@ def _key_text(key: Hashable) -> str:
 class _Admission:
     """A load waiting for the daemon's grant: its ``acquire``, sent again after a restart."""
 
-    __slots__ = ("error", "event", "message", "space")
+    __slots__ = ("called_off", "error", "event", "message", "space")
 
     def __init__(self, message: dict[str, Any]) -> None:
         self.event = anyio.Event()
         self.error: BaseException | None = None
+        #: A promotion nobody waited for any more (``Link._call_off``).
+        self.called_off = False
         self.message = message
         #: Where the daemon placed it (``spaces=``), with its grant.
         self.space: str | None = None
@@ -132,7 +142,7 @@ class Link:
         self,
         address: str,
         runner: Steps,
-        opened: Mapping[str, None],
+        opened: Mapping[str, bool],
         reconnect: Reconnect | None = None,
     ) -> None:
         self.address = address
@@ -291,6 +301,9 @@ class Link:
             if told is None:
                 continue  # not granted yet: nothing the daemon needs
             now = _report(entry, entry in core.overdue)
+            moved = seam.moves.pop(entry, None) if seam.moves else None
+            if now == "moving":
+                now = told  # (the daemon asked for the move: "moved" says how it ended)
             # A changed priority goes with the entry's next report, or alone when
             # its state is as told; a loading one's goes with the load's outcome,
             # and one on its way out needs none (a refused release reports "held").
@@ -298,12 +311,19 @@ class Link:
             if now == told:
                 if priority is not None:
                     self.outbox.append(self._report_priority(entry, now, priority))
+                if moved is not None:
+                    self.outbox.append({"op": "moved", "id": self.ids[entry], "charge": moved})
                 continue
             message: dict[str, Any] = {"op": "report", "id": self.ids[entry], "state": now}
             if priority is not None:
                 message["priority"] = priority
             if told == "loading":
                 charge = seam.charges.pop(entry, None)
+                if charge is None and moved is not None:
+                    # A move under way when it was adopted: its outcome is the charge.
+                    charge, moved = moved, None
+                    if entry.home is not None and now == "demoted":
+                        message["home"] = dict(entry.home)
                 if charge is None and now in _HOLDING_BYTES:
                     # Abandoned while its thread still makes the value (its cache
                     # closed), or quarantined with it: the reservation is still taken.
@@ -327,6 +347,8 @@ class Link:
             else:
                 self.told[entry] = now
             self.outbox.append(message)
+            if moved is not None and now != "gone":
+                self.outbox.append({"op": "moved", "id": message["id"], "charge": moved})
 
     def _new_priority(self, entry: Entry) -> int | None:
         """``entry``'s priority if the daemon knows another one (it is then told it)."""
@@ -386,6 +408,8 @@ class Link:
                     admission.event.set()
             elif op == "release":
                 self.give_up(wire.field(message, "id", int), wire.reason(message))
+            elif op == "move":
+                self.move(message)
             elif op == "want":
                 entry = self.by_id.get(wire.field(message, "id", int))
                 if entry is not None:  # (else it is gone: its report is on its way)
@@ -511,7 +535,7 @@ class Link:
             space.limit = limit.get(name, space.limit)
         messages: list[dict[str, Any]] = []
         open_caches = list(self.opened)
-        messages.extend({"op": "open", "cache": name} for name in open_caches)
+        messages.extend(_opening(name, moves) for name, moves in self.opened.items())
         closed: dict[str, None] = {}
         adopted = 0
         for entry, id in sorted(self.ids.items(), key=lambda item: item[1]):
@@ -526,17 +550,30 @@ class Link:
                 closed[cache] = None
                 messages.append({"op": "open", "cache": cache})
             now = _report(entry, entry in core.overdue)
+            charge = dict(entry.charge)
+            home = entry.home
+            if entry.state is State.MOVING and entry in self.awaiting:
+                now = "demoted"  # (its promotion waits for room: asked again below)
+            elif entry.state is State.MOVING:
+                # Under way: charged in both spaces until it ends; its outcome is
+                # what the new daemon hears, as of a load (``collect``).
+                now, home = "loading", None
+                for name, amount in (entry.target or {}).items():
+                    charge[name] = max(charge.get(name, 0), amount)
             message: dict[str, Any] = {
                 "op": "adopt",
                 "id": id,
                 "cache": cache,
                 "key": _key_text(entry.key),
                 "state": now,
-                "charge": dict(entry.charge),
+                "charge": charge,
                 "priority": entry.priority,  # (as it is now: a later acquire's, if any)
                 "loads": core.load_history.get((entry.cache, entry.key), (0, 0.0))[0],
             }
+            if now == "demoted" and home is not None:
+                message["home"] = dict(home)
             seam.charges.pop(entry, None)
+            seam.moves.pop(entry, None)
             reason = seam.reasons.get(entry)
             if now in _LETTING_GO and reason is not None:
                 message["reason"] = reason.value
@@ -584,6 +621,98 @@ class Link:
         # The answer is the entry's next report: releasing then gone, or held (refused).
         self.mark(entry)
 
+    def move(self, message: dict[str, Any]) -> None:
+        """The daemon moves entry ``id`` between tiers, to be charged as ``charge``.
+
+        The grant of a promotion this process asked for (``promote``), or a
+        demotion the daemon decided: started now if the entry is idle here,
+        else refused (``moved`` with ``refused``; the entry's report says why).
+        """
+        id = wire.field(message, "id", int)
+        to = wire.field(message, "to", str)
+        target = wire.charge(message, "charge")
+        spaces = self.runner.core.spaces
+        if to not in spaces or not target or any(name not in spaces for name in target):
+            raise ProtocolError(f"'move' message: to {wire.shown(to)}, charge {target!r}")
+        entry = self.by_id.get(id)
+        admission = self.admitting.get(id)
+        if entry is not None and admission is not None and entry.state is State.MOVING:
+            admission.space = to  # (the room this process's promotion waits for)
+            admission.event.set()
+            return
+        core = self.runner.core
+        if entry is None or not core.give_up(entry, Reason.CAPACITY, to=target):
+            if entry is not None:
+                self.mark(entry)
+            self.post({"op": "moved", "id": id, "refused": True})
+            return
+        self.runner.apply()
+
+    async def promote(self, entry: Entry) -> BaseException | None:
+        """Ask the daemon for room to bring demoted ``entry`` back up; wait for its ``move``.
+
+        The error that refused it, if any (its requesters get it, and the
+        value stays a tier down).
+        """
+        id = self.ids.get(entry)
+        if id is None or self.error is not None:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return BrokerClosed(str(self.error) if self.error else "the entry is gone")
+        while True:
+            first = entry.joiners[0] if entry.joiners else None
+            message: dict[str, Any] = {
+                "op": "promote",
+                "id": id,
+                "holding": self._holding(None if first is None else first.task),
+            }
+            admission = self.admitting[id] = _Admission(message)
+            self.awaiting[entry] = None
+            if self.online:
+                self.post(message)
+            try:
+                await admission.event.wait()
+            except BaseException:
+                self._call_off(entry)
+                raise
+            finally:
+                self.admitting.pop(id, None)
+                self.awaiting.pop(entry, None)
+            # Called off, then asked for again before this task ran: asked anew.
+            if not (admission.called_off and entry.joiners and self.error is None):
+                break
+        if admission.error is not None:
+            return admission.error
+        if entry.owner.closing:  # (granted as its cache closed: released from where it is)
+            self.post({"op": "moved", "id": id, "refused": True})
+            return BrokerClosed(f"cache {entry.owner.name!r} is closed")
+        if admission.space is not None:  # (the daemon may bring it back elsewhere)
+            self.runner.core.place(entry, admission.space)
+        return None
+
+    def _call_off(self, entry: Entry) -> None:
+        """Nobody here waits for ``entry``'s promotion any more: the daemon need not bring
+        it up (``cancel``); a ``move`` already on its way is made all the same."""
+        id = self.ids.get(entry)
+        admission = None if id is None else self.admitting.get(id)
+        if admission is None or admission.event.is_set():
+            return
+        admission.error = BrokerClosed("nobody waits for the move up any more")
+        admission.called_off = True
+        admission.event.set()
+        if self.error is None and self.online:
+            self.post({"op": "cancel", "id": id, "promote": True})
+
+    def _holding(self, task: object) -> list[int]:
+        """The ids of the entries ``task`` leases (the daemon refuses a request that only
+        those leases could make room for: ``DeadlockError``, as in-process)."""
+        if task is None:
+            return []
+        return [
+            self.ids[held]
+            for held in self.runner.core.busy
+            if held.leases and task in held.holders and held in self.ids
+        ]
+
     # ------------------------------------------------------------- requests
 
     def request(self, entry: Entry) -> None:
@@ -601,15 +730,8 @@ class Link:
         self.awaiting[entry] = None
         core = self.runner.core
         unknown = entry.unknown
-        # What the requesting task leases here: the daemon refuses a request that
-        # only those leases could make room for (DeadlockError), as in-process.
         first = entry.joiners[0] if entry.joiners else None
-        task = first.task if first is not None else None
-        holding = [
-            self.ids[held]
-            for held in core.busy
-            if held.leases and task in held.holders and held in self.ids
-        ]
+        holding = self._holding(first.task if first is not None else None)
         # The request as these books grant it: its size (``None``: measured after the
         # load), its declared cost (finite: Cache.acquire checked it), and its
         # priority, by which the shared broker evicts too: as it is when requested,
@@ -673,6 +795,9 @@ class Link:
     def withdraw(self, entry: Entry) -> None:
         """Nobody here waits for ``entry``'s grant any more: tell the daemon (``cancel``)."""
         id = self.ids.get(entry)
+        if entry.state is State.MOVING:  # (a promotion's requesters all left)
+            self._call_off(entry)
+            return
         if id is None or self.told.get(entry) is not None:
             return  # unknown to the daemon, or granted: its report says what became of it
         self._forget(entry)
@@ -724,6 +849,7 @@ def connected_runner(
     oom_retries: int = 8,
     reconnect: Reconnect | None = None,
     sizes: Mapping[str, Mapping[Any, Any]] | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> Runner:
     """The runner of a broker connected to a shared one (``Broker.connect``).
 
@@ -743,7 +869,7 @@ def connected_runner(
         oom_errors=oom_errors or oom_error_types(()),
         oom_retries=oom_retries,
         alias_threshold=3,
-        clock=None,
+        clock=clock,
         logger=logger,
         remote=LinkAdmission(address, reconnect, sizes),
     )
@@ -774,8 +900,9 @@ class LinkAdmission:
         self.sizes = sizes
         self.link: Link | None = None
         self.reconnect = Reconnect() if reconnect is None else reconnect
-        #: The caches open here, in the order they were opened (``Link.register``).
-        self.opened: dict[str, None] = {}
+        #: The caches open here, in the order they were opened (``Link.register``), and
+        #: whether each one's releaser moves values.
+        self.opened: dict[str, bool] = {}
         self._runner: Steps | None = None
         #: The daemon's last news of the shared books: bytes used per space.
         self.shared_used: Mapping[str, int] | None = None
@@ -806,12 +933,12 @@ class LinkAdmission:
         if self.link is not None:
             await self.link.finish()
 
-    def cache_opened(self, name: str) -> None:
-        # (The books here have no tiers: the shared broker's decide, and it
-        # moves nothing; a releaser's move is never called.)
+    def cache_opened(self, name: str, moves: bool) -> None:
+        # (The books here have no tiers: the shared broker's decide, and ask
+        # this process to move: ``Link.move``.)
         assert self.link is not None
-        self.opened[name] = None
-        self.link.post({"op": "open", "cache": name})
+        self.opened[name] = moves
+        self.link.post(_opening(name, moves))
 
     def cache_closed(self, name: str) -> None:
         assert self.link is not None
@@ -828,6 +955,10 @@ class LinkAdmission:
     async def admit(self, entry: Entry) -> BaseException | None:
         assert self.link is not None
         return await self.link.admit(entry)
+
+    async def admit_move(self, entry: Entry) -> BaseException | None:
+        assert self.link is not None
+        return await self.link.promote(entry)
 
     async def free_for_retry(self, entry: Entry) -> Freed | None:
         return None if self.link is None else await self.link.free(entry)
@@ -846,9 +977,17 @@ class LinkAdmission:
 
     def waiting_for(self, entry: Entry) -> tuple[str | None, str] | None:
         link = self.link
-        if link is not None and entry in link.told and link.told[entry] is None:
+        if link is None:
+            return None
+        promoting = entry in link.awaiting and entry.state is State.MOVING
+        if promoting or (entry in link.told and link.told[entry] is None):
             if not link.online:
                 return "space", f"the broker at {self.address} to come back (reconnecting)"
+            if promoting:
+                return "space", (
+                    f"space from the broker at {self.address} to move it back up from the "
+                    "lower tier"
+                )
             return "space", f"space from the broker at {self.address}"
         return None
 

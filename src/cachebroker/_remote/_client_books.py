@@ -23,7 +23,17 @@ class ClientSeam:
     changed is worked out when the next batch is sent (``Link.collect``).
     """
 
-    __slots__ = ("books", "charges", "due", "mark", "offer", "offered", "reasons", "withdraw")
+    __slots__ = (
+        "books",
+        "charges",
+        "due",
+        "mark",
+        "moves",
+        "offer",
+        "offered",
+        "reasons",
+        "withdraw",
+    )
 
     def __init__(
         self,
@@ -40,6 +50,8 @@ class ClientSeam:
         self.books: Core | None = None
         #: The measured charge of each loaded entry, until the daemon was told it.
         self.charges: dict[Entry, dict[str, int]] = {}
+        #: The charge of each entry whose move ended, until the daemon was told it.
+        self.moves: dict[Entry, dict[str, int]] = {}
         #: Why each releasing entry is released.
         self.reasons: dict[Entry, Reason] = {}
         #: Leased entries the shared broker wants (``want``), and the request
@@ -89,6 +101,10 @@ class ClientSeam:
 
     def loaded(self, entry: Entry) -> None:
         self.charges[entry] = dict(entry.charge)
+        self.mark(entry)
+
+    def moved(self, entry: Entry) -> None:
+        self.moves[entry] = dict(entry.charge)
         self.mark(entry)
 
     def withdrawn(self, entry: Entry) -> None:

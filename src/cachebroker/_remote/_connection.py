@@ -34,10 +34,14 @@ MAX_UNSENT = 64
 
 
 #: What a process's report may say of its entry.
-_REPORTS = frozenset({"held", "pinned", "idle", "releasing", "overdue", "quarantined", "gone"})
+_REPORTS = frozenset(
+    {"held", "pinned", "idle", "demoted", "releasing", "overdue", "quarantined", "gone"}
+)
 
 #: How an entry may stand when a process registers it again (``adopt``).
-_ADOPTED = frozenset({"loading", "held", "pinned", "idle", "releasing", "overdue", "quarantined"})
+_ADOPTED = frozenset(
+    {"loading", "held", "pinned", "idle", "demoted", "releasing", "overdue", "quarantined"}
+)
 
 #: Reports of an entry on its way out.
 _LETTING_GO = frozenset({"releasing", "overdue", "quarantined", "gone"})
@@ -121,9 +125,12 @@ class _Mirror:
         "granted",
         "held",
         "holder",
+        "home",
         "id",
         "key",
         "loads",
+        "moved",
+        "promoting",
         "reason",
         "refused",
         "reported",
@@ -131,6 +138,7 @@ class _Mirror:
         "settled",
         "space",
         "state",
+        "wants_back",
     )
 
     def __init__(self, id: int, key: _Key, space: _Space) -> None:
@@ -160,6 +168,17 @@ class _Mirror:
         self.refused = False
         #: Set once the daemon's request for it is over: loaded, failed or withdrawn.
         self.settled = anyio.Event()
+        #: While the daemon moves it (``_move``): how the process said the move ended,
+        #: its charge where it went, or ``"refused"``.
+        self.moved: dict[str, int] | str | None = None
+        #: The request of the process's ``promote`` (its scope), while it waits here;
+        #: and whether one was asked at all since its last move (a release asked
+        #: meanwhile is refused: the process wants the value back).
+        self.promoting: anyio.CancelScope | None = None
+        self.wants_back = False
+        #: Where an entry the process holds demoted was loaded (``adopt``, or the
+        #: outcome of a move under way when it was adopted): parked once booked.
+        self.home: dict[str, int] | None = None
 
 
 class _Space:
@@ -262,9 +281,16 @@ class Connection:
         elif op == "free":
             self.free(wire.field(message, "id", int))
         elif op == "cancel":
-            self.cancel(wire.field(message, "id", int))
+            if message.get("promote"):
+                self.call_off(wire.field(message, "id", int))
+            else:
+                self.cancel(wire.field(message, "id", int))
+        elif op == "moved":
+            self.moved(message)
+        elif op == "promote":
+            self.promote(message)
         elif op == "open":
-            await self.open(wire.field(message, "cache", str))
+            await self.open(wire.field(message, "cache", str), bool(message.get("moves")))
         elif op == "close":
             space = self.caches.pop(wire.field(message, "cache", str), None)
             if space is not None:
@@ -276,20 +302,31 @@ class Connection:
         else:
             raise ProtocolError(f"unknown op {op!r}")
 
-    async def open(self, cache: str) -> None:
+    async def open(self, cache: str, moves: bool = False) -> None:
         if not cache or cache in self.caches:
             raise ProtocolError(f"cache {cache!r} is opened twice or has no name")
         space = self.caches[cache] = _Space(self.daemon.owner_name(cache, self))
         self.opened.append(space)
         assert self.tg is not None
-        await self.tg.start(self._run_cache, cache, space)
+        await self.tg.start(self._run_cache, cache, space, moves)
         self.daemon.note_peer(self)
 
     async def _run_cache(
-        self, cache: str, space: _Space, *, task_status: anyio.abc.TaskStatus[None]
+        self,
+        cache: str,
+        space: _Space,
+        moves: bool,
+        *,
+        task_status: anyio.abc.TaskStatus[None],
     ) -> None:
-        """Hold the daemon-side block of ``cache`` open until the process closes it (or goes)."""
-        block = await self.runner.open_block(space.name, self._release)
+        """Hold the daemon-side block of ``cache`` open until the process closes it (or goes).
+
+        ``moves``: its releaser moves values, so the daemon's tiers move them
+        (``_move``) rather than release them.
+        """
+        block = await self.runner.open_block(
+            space.name, self._release, move=self._move if moves else None
+        )
         space.block = block
         self.daemon.owners[block.owner] = (self, cache)
         task_status.started()
@@ -403,6 +440,10 @@ class Connection:
         mirror.holder = task
         mirror.settled.set()
         self.reconcile(mirror)
+        if mirror.home is not None:
+            home, mirror.home = mirror.home, None
+            self.runner.core.park(entry, home)
+            self.runner.apply()
 
     async def _load(
         self, mirror: _Mirror, space: str | None = None, *, grant: bool = True
@@ -512,6 +553,8 @@ class Connection:
         mirror.granted = True
         mirror.state = state
         mirror.charge = None if state == "loading" else charge
+        if state == "demoted":
+            mirror.home = self._home(message)
         loads = message.get("loads")
         if type(loads) is int and loads >= 0:
             mirror.loads = loads
@@ -573,6 +616,8 @@ class Connection:
             self._reprioritize(mirror, priority)
         if mirror.state == "loading":
             mirror.charge = self._charge(message, state)
+            if state == "demoted":  # (a move under way when it was adopted ended so)
+                mirror.home = self._home(message)
             loads = message.get("loads")
             if type(loads) is int and loads >= 0:
                 mirror.loads = loads
@@ -616,13 +661,20 @@ class Connection:
                 )
         return charge
 
+    def _home(self, message: dict[str, Any]) -> dict[str, int]:
+        """A demoted entry's home (``home``): where it was loaded, in the daemon's spaces."""
+        home = wire.charge(message, "home")
+        if not home or any(name not in self.runner.core.spaces for name in home):
+            raise ProtocolError(f"{message['op']!r} message: 'home' is {message.get('home')!r}")
+        return home
+
     def reconcile(self, mirror: _Mirror) -> None:
         """Bring the daemon's entry in line with the process's last report."""
         entry = mirror.entry
         core = self.runner.core
         state = mirror.state
         if entry is not None:
-            if entry.state is State.READY:
+            if entry.state in (State.READY, State.DEMOTED, State.MOVING):
                 self._hold(mirror)
                 if state in _LETTING_GO:
                     core.let_go(entry, mirror.reason)
@@ -686,7 +738,7 @@ class Connection:
         mirror = self.mirrors.get(key.id)
         if mirror is None:
             return
-        if mirror.state in ("idle", "loading", "held"):
+        if mirror.state in ("idle", "loading", "held", "demoted"):
             # (held: leased again since, maybe right after offering it idle, which
             # the process then accepts to release at that lease's end)
             self._ask_release(mirror)
@@ -708,6 +760,11 @@ class Connection:
                 if state in _HOLDING:
                     mirror.held, mirror.holder = True, self.holder
                     raise _Refused(self.holder, functools.partial(self._hold, mirror))
+                if mirror.wants_back and state == "demoted":
+                    # Its process asked for it back up (``promote``): it keeps it (a
+                    # release asked there meanwhile finds it moving), and the
+                    # promotion goes on.
+                    raise _Refused(None, functools.partial(self.reconcile, mirror))
                 if mirror.refused and state == "idle":
                     # Refused (held when asked), then idle again before this task
                     # looked: the process will not release it unless asked again.
@@ -716,6 +773,129 @@ class Connection:
                 await mirror.reported.wait()
         finally:
             mirror.asking = False
+            self._wake(mirror)  # (a promotion waits for the release to be refused)
+
+    async def _move(self, key: _Key, value: object, to: str) -> dict[str, int]:
+        """The daemon's ``move`` for a process's entries: ask, and await how it ended.
+
+        The process moves the value (``Link.move``); its charge where it went
+        is what the daemon's books take as the moved value (``_measured``). A
+        move it refused (the entry was leased there meanwhile, or is on its way
+        out) is called off here too (``Core.release_refused``); one that failed
+        there quarantines the entry, as in-process.
+        """
+        mirror = self.mirrors.get(key.id)
+        entry = None if mirror is None else mirror.entry
+        if mirror is None or entry is None or entry.target is None:
+            raise ReleaseFailed(f"{key!r} of process {self.pid} is not there to move")
+        if mirror.wants_back and not entry.promoting:
+            # Its process asked for it back up (``promote``): it stays (and is promoted).
+            raise _Refused(None, functools.partial(self.reconcile, mirror))
+        self._ask_move(mirror, to, entry.target)
+        while True:
+            moved, state = mirror.moved, mirror.state
+            if isinstance(moved, dict):
+                mirror.moved = None
+                return moved
+            if state in ("quarantined", "overdue"):
+                raise _FailedThere(
+                    ReleaseFailed(
+                        f"moving {mirror.space.name}:{key!r} to {to!r} failed in process "
+                        f"{self.pid}: {mirror.error}"
+                    )
+                )
+            if moved == "refused" or state in _LETTING_GO:
+                # Leased or pinned there meanwhile, or on its way out there: it stays
+                # (a lease given back, a pin kept), or goes from where it is.
+                mirror.moved = None
+                holder = None
+                if state == "held":
+                    mirror.held, mirror.holder = True, self.holder
+                    holder = self.holder
+                elif state in _LETTING_GO:
+                    self.runner.core.let_go(entry, mirror.reason)
+                raise _Refused(holder, functools.partial(self.reconcile, mirror))
+            await mirror.reported.wait()
+
+    def _ask_move(self, mirror: _Mirror, to: str, target: dict[str, int]) -> None:
+        mirror.moved = None  # (what the process answers to this ask)
+        self.post({"op": "move", "id": mirror.id, "to": to, "charge": dict(target)})
+
+    def moved(self, message: dict[str, Any]) -> None:
+        """How a move the daemon asked for ended in the process (``_move`` awaits it)."""
+        id = wire.field(message, "id", int)
+        mirror = self.mirrors.get(id)
+        if message.get("refused"):
+            outcome: dict[str, int] | str | None = "refused"
+        else:
+            outcome = self._charge(message, "moved")
+            if not outcome:
+                raise ProtocolError(f"'moved' message: 'charge' is {message.get('charge')!r}")
+        if mirror is not None:
+            mirror.moved = outcome
+            self._wake(mirror)
+
+    def promote(self, message: dict[str, Any]) -> None:
+        """The process asks for its demoted entry ``id`` back up: a request for it here.
+
+        Granted when the daemon's books have brought it up (``_move``, whose
+        ``move`` message the process awaits); refused with ``fail``.
+        """
+        id = wire.field(message, "id", int)
+        holding = message.get("holding", [])
+        if not isinstance(holding, list) or not all(type(i) is int for i in holding):
+            raise ProtocolError(f"'promote' message: 'holding' is {wire.shown(holding)}")
+        mirror = self.mirrors.get(id)
+        if mirror is None or mirror.entry is None or mirror.promoting is not None:
+            error = {"type": "BrokerClosed", "message": f"#{id} is not demoted here"}
+            self.post({"op": "fail", "id": id, "error": error})
+            return
+        mirror.wants_back = True
+        self._wake(mirror)  # (a release asked meanwhile is refused: ``_release``)
+        held = tuple(m for m in map(self.mirrors.get, holding) if m is not None)
+        scope = mirror.promoting = anyio.CancelScope()
+        assert self.tg is not None
+        self.tg.start_soon(self._promote, mirror, held, scope)
+
+    async def _promote(
+        self, mirror: _Mirror, holding: tuple[_Mirror, ...], scope: anyio.CancelScope
+    ) -> None:
+        block = mirror.space.block
+        assert block is not None
+        with scope:
+            try:
+                await self.daemon.gate.wait()
+                while mirror.asking:  # (a release asked meanwhile is refused first)
+                    await mirror.reported.wait()
+                held = tuple(other.entry for other in holding if other.entry is not None)
+                request = Request(
+                    mirror.key, None, load=functools.partial(self._load, mirror), measure=_measured
+                )
+                entry, task = await self.runner.request(block.owner, request, held=held)
+            except Exception as exc:
+                self.post(
+                    {"op": "fail", "id": mirror.id, "error": wire.encode_error(exc, self.names())}
+                )
+                return
+            finally:
+                if mirror.promoting is scope:  # (not asked again since: ``call_off``)
+                    mirror.promoting = None
+                    mirror.wants_back = False
+        if scope.cancelled_caught:
+            return
+        if mirror.held:  # (held already: one lease of the process's is enough)
+            self.runner.core.lease_end(entry, task, self.runner.clock())
+        else:
+            mirror.held, mirror.holder = True, task
+        self.reconcile(mirror)
+
+    def call_off(self, id: int) -> None:
+        """Nobody in the process waits for ``id``'s promotion any more (``promote``)."""
+        mirror = self.mirrors.get(id)
+        if mirror is not None and mirror.promoting is not None:
+            mirror.promoting.cancel()
+            mirror.promoting = None
+            mirror.wants_back = False
 
     def lost(self) -> None:
         """The process is gone: its entries leave the daemon's books at once."""

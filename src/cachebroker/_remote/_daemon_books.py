@@ -124,6 +124,9 @@ class DaemonSeam:
     def loaded(self, entry: Entry) -> None:
         pass
 
+    def moved(self, entry: Entry) -> None:
+        pass  # (its process reported the move's outcome: ``Connection._move``)
+
     def withdrawn(self, entry: Entry) -> None:
         pass
 

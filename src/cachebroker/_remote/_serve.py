@@ -13,7 +13,7 @@ import anyio
 import structlog
 
 from .._errors import BrokerError
-from .._shell._config import _parse_env_ttl, budget_value
+from .._shell._config import _parse_env_tiers, _parse_env_ttl, budget_value
 from .._units import format_bytes
 from ._daemon import GRACE, HELLO_TIMEOUT, MAX_PENDING, Daemon, DaemonBroker
 from ._protocol import default_address
@@ -46,6 +46,13 @@ def add_parser(commands: Any, name: str, help: str) -> None:
         help=f"socket path (default: $CACHEBROKER_ADDRESS, else {default_address()})",
     )
     parser.add_argument("--policy", default="lru", help="eviction policy (default: lru)")
+    parser.add_argument(
+        "--tiers",
+        default=os.environ.get("CACHEBROKER_TIERS"),
+        help="each space's lower tier, 'cuda:0=ram' or 'cuda:0=ram,ram=disk': an idle value "
+        "is moved down instead of released, by processes whose releaser has a move() "
+        "(default: $CACHEBROKER_TIERS)",
+    )
     parser.add_argument(
         "--idle-ttl",
         default=None,
@@ -86,6 +93,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # The grammar of Broker(budget=...) and CACHEBROKER_BUDGET, probed spaces included.
         budget = budget_value(args.budget, what="--budget")
         idle_ttl = None if args.idle_ttl is None else _parse_env_ttl(args.idle_ttl)
+        tiers = _parse_env_tiers(args.tiers) if args.tiers and args.tiers.strip() else None
         release_timeout = _parse_env_ttl(args.release_timeout)
         grace = _seconds(args.grace, "--grace", zero=True)
         max_pending = _count(args.max_pending, "--max-pending")
@@ -106,6 +114,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         broker = DaemonBroker(
             budget,
             policy=args.policy,
+            tiers=tiers,
             idle_ttl=idle_ttl,
             release_timeout=release_timeout,
             logger=logger,

@@ -18,6 +18,7 @@ import anyio.lowlevel
 
 from .. import _log_events as ev
 from .._core import Core, Reason, State
+from .._core._tiers import reserved
 from .._errors import InvalidArgument
 from .._policies import Policy, make_policy
 from .._remote._protocol import resolve_address as _address
@@ -213,6 +214,7 @@ class Broker:
         reconnect_delay: float = 0.05,
         reconnect_max_delay: float = 1.0,
         reconnect_timeout: float | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> Broker:
         """A broker backed by the machine's shared one (``cachebroker serve``).
 
@@ -250,9 +252,11 @@ class Broker:
             reconnect_max_delay: ... up to this many seconds.
             reconnect_timeout: Seconds without a daemon after which the broker
                 gives up (``None``: it never does).
+            clock: As for ``Broker``: this process runs its entries' idle
+                timers (with the daemon's idle TTL) and times its loads on it.
 
         .. versionchanged:: 0.1.0
-           ``reconnect`` and its settings; ``oom_retries``, ``sizes``.
+           ``reconnect`` and its settings; ``oom_retries``, ``sizes``, ``clock``.
         """
         from .._remote._client import Reconnect, connected_runner  # (only when asked for)
 
@@ -266,12 +270,15 @@ class Broker:
                 f"({reconnect_max_delay!r}) must be seconds, the first at most the second"
             )
         timeout = positive_seconds(reconnect_timeout, "reconnect_timeout", inf_is_none=True)
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         runner = connected_runner(
             _address(address),
             logger=_logging.check_logger(logger),
             oom_errors=oom_error_types(oom_errors),
             oom_retries=oom_retry_bound(oom_retries),
             sizes=sizes,
+            clock=clock,
             reconnect=Reconnect(reconnect, delay, max_delay, timeout),
         )
         broker = cls.__new__(cls)
@@ -498,8 +505,11 @@ class Broker:
         admitting = self._runner.remote.admitting()
         for entry in core.entries():
             state = entry.state
-            # (a load granted here that waits for the shared broker's grant waits for space)
-            waiting = state is State.LOADING and bool(admitting) and entry in admitting
+            # (a load granted here that waits for the shared broker's grant waits for
+            # space; a promotion that waits for it is a demoted entry's, queued)
+            waiting = bool(admitting) and entry in admitting
+            if waiting and state is State.MOVING:
+                state, waiting = State.DEMOTED, False
             idle = None
             # Only where an idle TTL applies is the end of a lease timed (``Lease.release``).
             if (
@@ -523,7 +533,9 @@ class Broker:
                 loads=loads,
                 load_seconds=seconds,
                 home=None if entry.home is None else dict(entry.home),
-                moving_to=None if entry.target is None else dict(entry.target),
+                moving_to=None
+                if entry.target is None or state is not State.MOVING
+                else dict(entry.target),
                 promote_seconds=entry.promote_cost,
             )
             age = _AGES.index(State.WAITING if waiting else state)
@@ -555,11 +567,19 @@ class Broker:
         used = {name: space.used for name, space in core.spaces.items()}
         # Loads granted here that wait for the shared broker's grant wait for
         # space, as queued requests do: counted so, and not in ``used``.
+        # (A promotion started here that waits for its room there is a demoted
+        # entry's queued promotion: only its room is not taken yet.)
         admitting = self._runner.remote.admitting()
         for entry in admitting:
             waiting += len(entry.joiners)
-            counts[State.LOADING] -= 1
-            for name, amount in entry.charge.items():
+            if entry.state is State.LOADING:
+                counts[State.LOADING] -= 1
+                taken = entry.charge
+            else:
+                counts[State.MOVING] -= 1
+                counts[State.DEMOTED] += 1
+                taken = reserved(entry)
+            for name, amount in taken.items():
                 used[name] -= amount
         waiting_for_lease = sum(
             len(entry.joiners) for entry in core.busy if entry.state is State.READY

@@ -21,8 +21,8 @@ import anyio
 
 from .. import _log_events as ev
 from .._core import Entry, Owner, Reason, State
-from .._core._tiers import freed
-from .._errors import ReleaseFailed
+from .._core._tiers import destination, freed
+from .._errors import BrokerClosed, ReleaseFailed
 from .._stats import EvictionReport
 from ._actor import Block
 from ._backend import Fault, classify, task_name
@@ -256,6 +256,13 @@ class Releases:
                 ),
             )
             return
+        if not (entry.promoting and self._remote.admits_elsewhere):
+            self._announce(cache, entry, to)  # (else once the other broker made its room)
+        cache.spawn(
+            self._run_move, cache, entry, to, name=f"cachebroker move {cache.name}:{entry.key!r}"
+        )
+
+    def _announce(self, cache: Block, entry: Entry, to: str) -> None:
         self._steps.emit(
             "info",
             ev.MOVE_START,
@@ -264,9 +271,6 @@ class Releases:
             to=to,
             up=entry.promoting,
             bytes=dict(entry.charge),
-        )
-        cache.spawn(
-            self._run_move, cache, entry, to, name=f"cachebroker move {cache.name}:{entry.key!r}"
         )
 
     async def _run_move(self, cache: Block, entry: Entry, to: str) -> None:
@@ -278,6 +282,13 @@ class Releases:
         steps = self._steps
         slot: Slot = entry.shell
         assert cache.move is not None
+        if entry.promoting and self._remote.admits_elsewhere:
+            # Another broker's books decide: the move up waits for their room.
+            if not await self._admitted(entry):
+                return
+            to = steps.core.owner_space(entry, destination(entry))
+            slot.moving_to = to
+            self._announce(cache, entry, to)
         watchdog = anyio.CancelScope()
         timeout = steps.release_timeout
         if timeout is not None:
@@ -315,8 +326,46 @@ class Releases:
         if fatal is not None:
             raise fatal
 
+    async def _admitted(self, entry: Entry) -> bool:
+        """Wait for the other broker's room for ``entry``'s promotion; whether it was given.
+
+        Refused (or cancelled while it waits), the move is called off: the
+        value stays a tier down, and its requesters get the error.
+        """
+        core = self._steps.core
+        try:
+            error = await self._remote.admit_move(entry)
+        except BaseException as exc:
+            core.move_failed(entry, BrokerClosed("the move up was cancelled"), ran=False)
+            self._steps.apply()
+            if classify(exc) is Fault.FAILED:
+                return False
+            raise
+        if error is not None:
+            core.move_failed(entry, error, ran=False)
+            self._steps.apply()
+            self._steps.emit(
+                "info", ev.MOVE_REFUSED, cache=entry.owner.name, key=entry.key, error=str(error)
+            )
+            return False
+        return True
+
     def _move_raised(self, entry: Entry, to: str, exc: BaseException) -> bool:
-        """Book a move that raised ``exc`` (unless timed out already); whether it propagates."""
+        """Book a move that raised ``exc`` (unless timed out already); whether it propagates.
+
+        A move done elsewhere may have ended there otherwise (``Remote.release_outcome``):
+        refused (the owner leased the entry again), or failed there.
+        """
+        outcome = self._remote.release_outcome(exc)
+        if isinstance(outcome, Refused):
+            self._steps.core.release_refused(entry, outcome.holder)
+            outcome.then()
+            self._steps.apply()
+            self._steps.emit("info", ev.MOVE_REFUSED, cache=entry.owner.name, key=entry.key)
+            return False
+        if isinstance(outcome, FailedThere):
+            self._move_failed(entry, outcome.error)
+            return False
         fault = classify(exc)
         if entry.state is State.MOVING and not entry.shell.timed_out:
             failure = ReleaseFailed(

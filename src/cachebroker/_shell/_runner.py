@@ -257,7 +257,7 @@ class Runner:
             self.core.forget_owner(owner)
             raise
         cache = self._caches[owner] = Block(owner, release, tg, move)
-        self.remote.cache_opened(name)
+        self.remote.cache_opened(name, move is not None)
         return cache
 
     async def close_block(

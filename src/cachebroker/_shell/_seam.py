@@ -24,7 +24,7 @@ import attrs
 from .._core import Core, Entry, Owner, Request, Ticket
 from .._errors import ReleaseFailed
 from ._actor import Block
-from ._config import ReleaseFunction
+from ._config import MoveFunction, ReleaseFunction
 from ._steps import Spawn, Steps
 
 __all__ = ["LOCAL", "FailedThere", "Freed", "Local", "Refused", "Relay", "Remote", "Terms"]
@@ -97,8 +97,8 @@ class Remote(Protocol):
     async def stop(self) -> None:
         """Every cache is closed: say what is left and disconnect (also when the start failed)."""
 
-    def cache_opened(self, name: str) -> None:
-        """Cache ``name`` was opened."""
+    def cache_opened(self, name: str, moves: bool) -> None:
+        """Cache ``name`` was opened (``moves``: its releaser can move values, for tiers)."""
 
     def cache_closed(self, name: str) -> None:
         """Cache ``name`` was closed."""
@@ -111,6 +111,13 @@ class Remote(Protocol):
 
     async def admit(self, entry: Entry) -> BaseException | None:
         """What a granted load awaits before it runs; the error that refused it, if any."""
+
+    async def admit_move(self, entry: Entry) -> BaseException | None:
+        """What a move these books started awaits before it runs; the error that refused it.
+
+        A promotion waits for the other broker's room (it may place it
+        elsewhere: ``Core.place``); a move that broker asked for runs at once.
+        """
 
     async def free_for_retry(self, entry: Entry) -> Freed | None:
         """``entry``'s load ran out of memory: free the next victims on the shared books.
@@ -156,7 +163,7 @@ class Local:
     async def stop(self) -> None:
         pass
 
-    def cache_opened(self, name: str) -> None:
+    def cache_opened(self, name: str, moves: bool) -> None:
         pass
 
     def cache_closed(self, name: str) -> None:
@@ -169,6 +176,9 @@ class Local:
         return ()
 
     async def admit(self, entry: Entry) -> BaseException | None:
+        return None
+
+    async def admit_move(self, entry: Entry) -> BaseException | None:
         return None
 
     async def free_for_retry(self, entry: Entry) -> Freed | None:
@@ -229,8 +239,11 @@ class Relay(Protocol):
     def note_idle(self, entry: Entry) -> None:
         """``entry``'s last lease ended: it may expire before the idle timer's next run."""
 
-    async def open_block(self, name: str, release: ReleaseFunction) -> Block:
-        """Open the cache ``name`` of a process (its entries released through ``release``)."""
+    async def open_block(
+        self, name: str, release: ReleaseFunction, *, move: MoveFunction | None = None
+    ) -> Block:
+        """Open the cache ``name`` of a process (its entries released through ``release``,
+        and moved between tiers through ``move``, when its releaser can)."""
 
     async def close_block(
         self,
