@@ -21,8 +21,8 @@ import anyio.lowlevel
 import pytest
 
 from cachebroker import AcquireTimeout, Broker
-from tests.remote.test_reconnect import daemons, link_of, listed, until, value
 from tests.remote.support import serving
+from tests.remote.test_reconnect import daemons, link_of, listed, until, value
 
 pytestmark = pytest.mark.anyio
 
@@ -252,8 +252,10 @@ async def test_a_promotion_waiting_for_room_over_a_restart_is_asked_for_again(
 )
 def test_serve_refuses_bad_tiers_saying_what_was_wrong(tiers: str, message: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cachebroker", "serve", "--budget", "gpu=1GiB,ram=2GiB"]
-        + ["--tiers", tiers, "--socket", "/tmp/cb-never.sock"],
+        [
+            *(sys.executable, "-m", "cachebroker", "serve", "--budget", "gpu=1GiB,ram=2GiB"),
+            *("--tiers", tiers, "--socket", "/tmp/cb-never.sock"),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
