@@ -10,7 +10,8 @@ stdout, one JSON object a line, each with an ``"event"``. ``CONFIG["mode"]``:
   wait for a signal, close; loaders and releasers may block forever, or until
   a signal, so that the test can kill the process (or its daemon) in the
   middle of one; a loader may run out of memory until a file exists, which
-  another process's releaser creates (``oom-until:``, ``frees:``);
+  another process's releaser creates (``oom-until:``, ``frees:``); a releaser
+  may move values between tiers (``releaser: "moves"``);
 * ``random``: a seeded run of acquires, holds, releases, timeouts,
   cancellations and failing loads across a few tasks, logging every load's
   start and every release's end with a monotonic timestamp (``random_run``);
@@ -108,8 +109,9 @@ class Steps:
                     reconnect_max_delay=max(1.0, step.get("reconnect_delay", 0.05)),
                 )
             )
+            releaser: Any = _Moving(self) if self.releaser == "moves" else self.release
             self.cache = await stack.enter_async_context(
-                self.broker.cache(step.get("cache", "c"), self.release)
+                self.broker.cache(step.get("cache", "c"), releaser)
             )
         except Exception as exc:
             await stack.aclose()
@@ -192,6 +194,31 @@ class Steps:
             releases=dict(stats.releases),
         )
 
+    async def entries(self, step: Config) -> None:
+        assert self.broker is not None
+        say(
+            "entries",
+            entries={
+                repr(e.key): {"state": e.state, "charge": dict(e.charge), "home": e.home}
+                for e in await self.broker.entries()
+            },
+        )
+
+
+class _Moving:
+    """The releaser of ``releaser: "moves"``: it moves values between tiers (``Releaser.move``),
+    saying so; the moved value is ``value>to``."""
+
+    def __init__(self, steps: Steps) -> None:
+        self.steps = steps
+
+    async def release(self, key: Hashable, value: Any) -> None:
+        await self.steps.release(key, value)
+
+    async def move(self, key: Hashable, value: Any, to: str) -> Any:
+        say("moved", key=repr(key), to=to)
+        return f"{value}>{to}"
+
 
 STEPS: dict[str, Callable[[Steps, Config], Awaitable[None]]] = {
     "connect": Steps.connect,
@@ -202,6 +229,7 @@ STEPS: dict[str, Callable[[Steps, Config], Awaitable[None]]] = {
     "wait": Steps.wait,
     "stats": Steps.stats,
     "invalidate": Steps.invalidate,
+    "entries": Steps.entries,
 }
 
 

@@ -856,3 +856,59 @@ async def test_out_of_memory_in_one_process_frees_idle_entries_of_another(procs:
             procs.signal("finish")
             assert await loader_proc.exit() == 0, loader_proc.stderr()
             assert await owner.exit() == 0, owner.stderr()
+
+
+async def test_a_process_s_idle_model_is_moved_down_for_another_and_brought_back(
+    procs: Procs,
+) -> None:
+    """Tiers across real processes (``serve --tiers gpu=ram``): B's load needs the GPU
+    that A's idle model fills. The daemon decides a demotion, A's own releaser moves
+    the model to RAM (nothing is released), and B loads. When A asks for it again,
+    the daemon makes room on the GPU (B's idle model, whose releaser cannot move, is
+    released) and A moves it back up: no load."""
+    with anyio.fail_after(60):
+        budget = {"gpu": 100, "ram": 100}
+        async with serving(procs.socket, budget, tiers={"gpu": "ram"}) as daemon:
+            owner = procs.steps(
+                "owner",
+                {"do": "connect"},
+                {"do": "acquire", "key": "a", "size": {"gpu": 60}, "hold": False},
+                {"do": "wait", "signal": "demoted"},
+                {"do": "entries"},
+                {"do": "acquire", "key": "a", "size": {"gpu": 60}, "hold": False},
+                {"do": "entries"},
+                {"do": "wait", "signal": "finish"},
+                releaser="moves",
+            )
+            await owner.wait_for("acquired", key="a")
+            other = procs.steps(
+                "other",
+                {"do": "connect"},
+                {"do": "acquire", "key": "b", "size": {"gpu": 60}, "hold": False},
+                {"do": "wait", "signal": "finish"},
+            )
+            moved = await owner.wait_for("moved", key="'a'")
+            assert moved["to"] == "ram"
+            await other.wait_for("acquired", key="b")
+            check_books(daemon)
+            assert by_pid(daemon) == {owner.pid: {"ram": 60}, other.pid: {"gpu": 60}}
+            procs.signal("demoted")
+            entries = (await owner.wait_for("entries"))["entries"]
+            assert entries["'a'"] == {
+                "state": "demoted",
+                "charge": {"ram": 60},
+                "home": {"gpu": 60},
+            }
+            await owner.wait_for("moved", key="'a'", to="gpu")
+            await wait_until(lambda: len(owner.events("acquired", key="a")) == 2, limit=20)
+            acquired = owner.events("acquired", key="a")
+            assert acquired[1]["value"] == f"a@{owner.pid}>ram>gpu"  # moved back, not loaded
+            await other.wait_for("released", key="'b'")
+            await wait_until(lambda: len(owner.events("entries")) == 2, limit=20)
+            entries = owner.events("entries")[1]["entries"]
+            assert entries["'a'"] == {"state": "ready", "charge": {"gpu": 60}, "home": None}
+            await wait_until(lambda: by_pid(daemon) == {owner.pid: {"gpu": 60}}, limit=20)
+            check_books(daemon)
+            procs.signal("finish")
+            assert await owner.exit() == 0, owner.stderr()
+            assert await other.exit() == 0, other.stderr()

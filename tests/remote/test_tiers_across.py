@@ -11,6 +11,7 @@ shell-level tier tests run on both kinds of broker in
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Hashable
@@ -21,6 +22,7 @@ import anyio.lowlevel
 import pytest
 
 from cachebroker import AcquireTimeout, Broker
+from cachebroker._remote._ps import render
 from tests.remote.support import serving
 from tests.remote.test_reconnect import daemons, link_of, listed, until, value
 
@@ -261,3 +263,43 @@ def test_serve_refuses_bad_tiers_saying_what_was_wrong(tiers: str, message: str)
         timeout=60,
     )
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+# -- cachebroker ps ---------------------------------------------------------------
+
+
+async def test_ps_shows_moves_demoted_entries_and_placements_of_every_process() -> None:
+    budget = {"gpu": 100, "g1": 100, "ram": 100}
+    async with serving(budget=budget, tiers=TIERS) as daemon:
+        mover = Mover()
+        async with (
+            Broker.connect(daemon.address) as one,
+            one.cache("w", mover) as c1,
+            Broker.connect(daemon.address) as two,
+            two.cache("v", Releaser()) as c2,
+        ):
+            await use(c1, "a")
+            mover.gate = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(use, c2, "b")  # a moves down for it: held by the gate
+                await mover.started.wait()
+                await until(lambda: any(e["moving_to"] for e in daemon.listing()["entries"]))
+                moving = render(daemon.listing())
+                mover.gate.set()
+
+            async def placed(space: str) -> str:
+                return f"p@{space}"
+
+            async with c2.acquire("p", load=placed, size=30, spaces=["gpu", "g1"]) as lease:
+                assert lease.value == "p@gpu"
+            await until(lambda: len(daemon.listing()["entries"]) == 3)
+            listing = {e["key"]: e for e in daemon.listing()["entries"]}
+            assert listing["'a'"]["state"] == "demoted" and listing["'a'"]["home"] == {"gpu": 60}
+            assert listing["'a'"]["pid"] == os.getpid() and listing["'a'"]["moving_to"] is None
+            assert listing["'p'"]["places"] == ["gpu", "g1"] and listing["'p'"]["home"] is None
+            table = render(daemon.listing())
+    [row] = [line for line in moving.splitlines() if "'a'" in line]
+    assert "moving" in row and row.endswith("to ram")
+    rows = {line.split()[2]: line for line in table.splitlines() if line.split()[2:3]}
+    assert rows["'a'"].endswith("home gpu") and "demoted" in rows["'a'"]
+    assert rows["'p'"].endswith("of gpu|g1") and rows["'b'"].endswith("-")

@@ -496,7 +496,7 @@ class Daemon:
             if found is None:
                 continue
             connection, cache = found
-            idle = entry.state is State.READY and not entry.leases
+            idle = entry.state in (State.READY, State.DEMOTED) and not entry.leases
             key = entry.key
             mirror = connection.mirrors.get(key.id) if isinstance(key, _Key) else None
             entries.append(
@@ -512,6 +512,15 @@ class Daemon:
                     "priority": entry.priority,
                     "waiting": core.waiters(entry),
                     "loads": None if mirror is None else mirror.loads,
+                    # Tiers and placement: where a demoted entry comes back to, where a
+                    # move takes it (both charged meanwhile), the spaces it may be put in.
+                    "home": None if entry.home is None else dict(entry.home),
+                    "moving_to": (
+                        dict(entry.target)
+                        if entry.state is State.MOVING and entry.target is not None
+                        else None
+                    ),
+                    "places": None if entry.places is None else list(entry.places),
                 }
             )
         return {

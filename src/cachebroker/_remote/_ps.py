@@ -64,6 +64,7 @@ def render(listing: dict[str, Any]) -> str:
             "WAITING",
             "PRIORITY",
             "LOADS",
+            "WHERE",
         )
     ]
     for entry in sorted(listing["entries"], key=lambda e: (e["pid"], e["cache"], e["key"])):
@@ -85,6 +86,7 @@ def render(listing: dict[str, Any]) -> str:
                     _count(entry.get("waiting")) if first else "",
                     _count(entry.get("priority")) if first else "",
                     _count(entry.get("loads")) if first else "",
+                    _where(entry) if first else "",
                 )
             )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -96,6 +98,19 @@ def render(listing: dict[str, Any]) -> str:
     if len(rows) == 1:
         lines.append("(nothing loaded)")
     return "\n".join(lines)
+
+
+def _where(entry: dict[str, Any]) -> str:
+    """Tiers and placement in a word: ``home gpu`` (demoted), ``to ram`` (a move under
+    way), ``of cuda:0|cuda:1`` (placed among those); ``-`` for none."""
+    words = []
+    if entry.get("moving_to"):
+        words.append("to " + "+".join(sorted(entry["moving_to"])))
+    elif entry.get("home"):
+        words.append("home " + "+".join(sorted(entry["home"])))
+    if entry.get("places"):
+        words.append("of " + "|".join(entry["places"]))
+    return " ".join(words) or "-"
 
 
 def _count(value: object) -> str:
