@@ -518,17 +518,19 @@ async def test_ps_lists_each_process_entries(procs: Procs) -> None:
 
         status, table, _ = await procs.ps()
         assert status == 0
-        header = r"^PID +CACHE +KEY +SPACE +BYTES +STATE +LEASES +IDLE +WAITING +PRIORITY +LOADS$"
+        header = (
+            r"^PID +CACHE +KEY +SPACE +BYTES +STATE +LEASES +IDLE +WAITING +PRIORITY +LOADS +WHERE$"
+        )
         assert re.search(header, table, re.M), table
         # One row per entry and space, the entry's columns on its first row only.
         model_rows = (
             rf"^{models.pid} +models +\('model', 7\) +cuda:0 +{format_bytes(250_000)} +ready"
-            rf" +1 +- +0 +0 +1\n +ram +{format_bytes(1000)}$"
+            rf" +1 +- +0 +0 +1 +-\n +ram +{format_bytes(1000)}$"
         )
         assert re.search(model_rows, table, re.M), table
         vocab_row = (
             rf"^{tokens.pid} +tokens +'vocab' +ram +{format_bytes(5000)} +ready +0 +[0-9.]+s"
-            r" +0 +0 +1$"
+            r" +0 +0 +1 +-$"
         )
         assert re.search(vocab_row, table, re.M), table
         assert f"ram: {format_bytes(6000)} used of {format_bytes(10**6)}" in table

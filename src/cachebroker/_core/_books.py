@@ -903,6 +903,11 @@ class Core(Books):
         """A load in ``loaded`` spaces fit only after freeing in ``freed`` spaces (``_aliases``)."""
         return _aliases.note_alias_evidence(self, freed, loaded, threshold, self.merge_spaces)
 
+    def merged_circle(self, keep: str, other: str) -> tuple[str, ...] | None:
+        """The circle the tiers would go round with ``keep`` and ``other`` one memory
+        (``merge_spaces`` refuses it), if any."""
+        return _aliases.merged_circle(self, keep, other)
+
     def merge_spaces(self, keep: str, other: str) -> None:
         """Treat spaces ``keep`` and ``other`` as one memory from now on (``_aliases``);
         ``InvalidArgument`` if that would make the tiers a circle."""

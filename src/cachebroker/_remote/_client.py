@@ -32,7 +32,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
 from .._core import Entry, Reason, Request, State
-from .._errors import BrokerClosed, DeadlockError
+from .._errors import BrokerClosed, DeadlockError, InvalidArgument
 from .._shell._config import oom_error_types, remembered_sizes
 from .._shell._runner import Runner
 from .._shell._seam import FailedThere, Freed, Refused, Terms
@@ -410,6 +410,8 @@ class Link:
                 self.give_up(wire.field(message, "id", int), wire.reason(message))
             elif op == "move":
                 self.move(message)
+            elif op == "aliases":
+                self.merge(wire.decode_aliases(message, self.runner.core.spaces), message)
             elif op == "want":
                 entry = self.by_id.get(wire.field(message, "id", int))
                 if entry is not None:  # (else it is gone: its report is on its way)
@@ -536,6 +538,9 @@ class Link:
         messages: list[dict[str, Any]] = []
         open_caches = list(self.opened)
         messages.extend(_opening(name, moves) for name, moves in self.opened.items())
+        self.merge(wire.decode_aliases(welcome, core.spaces), {})
+        if core.canon:  # (what the daemon before learned: this one is told it again)
+            messages.append({"op": "aliases", "aliases": wire.encode_aliases(core.canon)})
         closed: dict[str, None] = {}
         adopted = 0
         for entry, id in sorted(self.ids.items(), key=lambda item: item[1]):
@@ -620,6 +625,31 @@ class Link:
             runner.apply()
         # The answer is the entry's next report: releasing then gone, or held (refused).
         self.mark(entry)
+
+    def merge(self, pairs: list[tuple[str, str]], message: Mapping[str, Any]) -> None:
+        """The daemon learned (or was told) that spaces are one memory: so are they here.
+
+        Logged as in-process (``cachebroker.alias.learned``), naming the load
+        whose evidence tipped it, in whichever process it ran.
+        """
+        core = self.runner.core
+        canon = core.canon
+        for keep, other in pairs:
+            if canon.get(keep, keep) == canon.get(other, other):
+                continue
+            try:
+                core.merge_spaces(keep, other)
+            except InvalidArgument:  # (these books have no tiers: never a circle)
+                continue
+            self.runner.emit(
+                "warning",
+                ev.ALIAS_LEARNED,
+                spaces=[keep, other],
+                evidence=message.get("evidence"),
+                cache=message.get("cache", f"?@{message.get('pid', '?')}"),
+                key=message.get("key"),
+            )
+        self.runner.apply()
 
     def move(self, message: dict[str, Any]) -> None:
         """The daemon moves entry ``id`` between tiers, to be charged as ``charge``.
@@ -916,6 +946,8 @@ class LinkAdmission:
             release_timeout = welcome.get("release_timeout")
             limit = wire.charge(welcome, "limit")
             core = client_books(budget, idle_ttl, limit, seam=link.seam)
+            for keep, other in wire.decode_aliases(welcome, core.spaces):
+                core.merge_spaces(keep, other)  # (as the daemon's books know them)
             for cache_name, key, charge in remembered_sizes(self.sizes, budget):
                 core.remember(cache_name, key, charge)
         except BaseException:
@@ -959,6 +991,22 @@ class LinkAdmission:
     async def admit_move(self, entry: Entry) -> BaseException | None:
         assert self.link is not None
         return await self.link.promote(entry)
+
+    def learns_aliases(self, entry: Entry, freed: Collection[str]) -> bool:
+        link = self.link
+        id = None if link is None else link.ids.get(entry)
+        if link is None or id is None:
+            return False
+        if link.error is None and link.online:
+            link.post(
+                {
+                    "op": "evidence",
+                    "id": id,
+                    "freed": sorted(freed),
+                    "loaded": sorted(entry.charge),
+                }
+            )
+        return True  # (the daemon's books learn it, and tell every process)
 
     async def free_for_retry(self, entry: Entry) -> Freed | None:
         return None if self.link is None else await self.link.free(entry)

@@ -70,6 +70,7 @@ class Host(Protocol):
     def forget_peer(self, connection: Connection) -> None: ...
     def registered(self, connection: Connection) -> None: ...
     def keep(self, connection: Connection, charge: dict[str, int]) -> None: ...
+    def tell_aliases(self, **fields: Any) -> None: ...
     def forget(self, owner: Any, name: str) -> None: ...
     def owner_name(self, cache: str, connection: Connection) -> str: ...
     def totals(self) -> dict[str, Any]: ...
@@ -287,6 +288,10 @@ class Connection:
                 self.cancel(wire.field(message, "id", int))
         elif op == "moved":
             self.moved(message)
+        elif op == "evidence":
+            self.evidence(message)
+        elif op == "aliases":
+            self.aliases(message)
         elif op == "promote":
             self.promote(message)
         elif op == "open":
@@ -820,6 +825,51 @@ class Connection:
     def _ask_move(self, mirror: _Mirror, to: str, target: dict[str, int]) -> None:
         mirror.moved = None  # (what the process answers to this ask)
         self.post({"op": "move", "id": mirror.id, "to": to, "charge": dict(target)})
+
+    def evidence(self, message: dict[str, Any]) -> None:
+        """Load ``id`` fit only after freeing in ``freed`` (free and retry): evidence that
+        ``freed`` and ``loaded`` are one memory, noted in the daemon's books; spaces it
+        merges are merged in every process's books too (``Daemon.tell_aliases``)."""
+        spaces = self.runner.core.spaces
+        named: dict[str, list[str]] = {}
+        for field in ("freed", "loaded"):
+            value = message.get(field)
+            if not isinstance(value, list) or not all(
+                isinstance(name, str) and name in spaces for name in value
+            ):
+                raise ProtocolError(f"'evidence' message: {field!r} is {wire.shown(value)}")
+            named[field] = value
+        mirror = self.mirrors.get(wire.field(message, "id", int))
+        cache = mirror.space.name if mirror is not None else f"?@{self.pid}"
+        key: object = mirror.key if mirror is not None else None
+        if self.runner.learn_aliases(named["freed"], named["loaded"], cache, key):
+            self.daemon.tell_aliases(cache=cache, key=repr(key))
+
+    def aliases(self, message: dict[str, Any]) -> None:
+        """The process's books know spaces to be one memory (a daemon before this one
+        learned it): so do the daemon's books, and every process's."""
+        core = self.runner.core
+        merged = False
+        for keep, other in wire.decode_aliases(message, core.spaces):
+            if core.canon.get(keep, keep) == core.canon.get(other, other):
+                continue
+            found = core.merged_circle(keep, other)
+            if found is not None:  # (the daemon's tiers would go round in a circle)
+                self.runner.emit(
+                    "warning",
+                    ev.ALIAS_REFUSED,
+                    spaces=[keep, other],
+                    circle=list(found),
+                    evidence=None,
+                    cache=f"?@{self.pid}",
+                    key=None,
+                )
+                continue
+            core.merge_spaces(keep, other)
+            merged = True
+        self.runner.apply()
+        if merged:
+            self.daemon.tell_aliases(pid=self.pid)
 
     def moved(self, message: dict[str, Any]) -> None:
         """How a move the daemon asked for ended in the process (``_move`` awaits it)."""

@@ -475,7 +475,18 @@ class Daemon:
             "limit": {name: space.limit for name, space in runner.core.spaces.items()},
             "idle_ttl": self.broker.idle_ttl,
             "release_timeout": runner.release_timeout,
+            "aliases": wire.encode_aliases(runner.core.canon),
         }
+
+    def tell_aliases(self, **fields: Any) -> None:
+        """The books merged spaces into one memory: every process merges them too
+        (``fields``: what made it, for the processes' ``cachebroker.alias.learned``)."""
+        message = {"op": "aliases", "aliases": wire.encode_aliases(self.runner.core.canon)}
+        cache = fields.get("cache")
+        for connection in self.connections.values():
+            if cache is not None:  # (a process's own cache by its own name)
+                fields["cache"] = connection.names().get(cache, cache)
+            connection.post({**message, **fields})
 
     def totals(self) -> dict[str, Any]:
         spaces = self.runner.core.spaces

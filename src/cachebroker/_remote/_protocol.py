@@ -25,7 +25,7 @@ import os
 import reprlib
 import socket
 import struct
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Any
 
 import anyio.abc
@@ -45,11 +45,13 @@ __all__ = [
     "ProtocolError",
     "check_depth",
     "decode",
+    "decode_aliases",
     "decode_error",
     "decode_freed",
     "decode_request",
     "default_address",
     "encode",
+    "encode_aliases",
     "encode_error",
     "encode_freed",
     "encode_request",
@@ -63,7 +65,7 @@ __all__ = [
 ]
 
 #: The protocol version: a daemon and a client must agree on it.
-VERSION = 3
+VERSION = 4
 
 #: The largest frame either side accepts (a ``ps`` reply of thousands of entries fits).
 MAX_FRAME = 16 << 20
@@ -413,3 +415,26 @@ def decode_error(fields: Any, address: str) -> BrokerError:
         return _errors.BrokerError(f"the broker at {address} refused the request: {message}")
     simple: type[BrokerError] = kind
     return simple(message)
+
+
+def encode_aliases(canon: Mapping[str, str]) -> list[list[str]]:
+    """Spaces known to be one memory, as ``[[kept, merged, ...], ...]``: each group's
+    name in the books first (``Core.canon``: each merged name and the name it went to)."""
+    groups: dict[str, list[str]] = {}
+    for name, kept in sorted(canon.items()):
+        if name != kept:
+            groups.setdefault(kept, [kept]).append(name)
+    return [groups[kept] for kept in sorted(groups)]
+
+
+def decode_aliases(message: Mapping[str, Any], spaces: Collection[str]) -> list[tuple[str, str]]:
+    """An ``aliases`` field: the pairs to merge (kept, merged), every name one of ``spaces``."""
+    groups = message.get("aliases", [])
+    if not isinstance(groups, list) or not all(
+        isinstance(group, list)
+        and len(group) >= 2
+        and all(isinstance(name, str) and name in spaces for name in group)
+        for group in groups
+    ):
+        raise ProtocolError(f"{message.get('op')!r} message: 'aliases' is {shown(groups)}")
+    return [(group[0], other) for group in groups for other in group[1:]]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 import anyio
@@ -266,20 +266,27 @@ class Loads:
         return spaces
 
     def _learn_aliases(self, freed: set[str], entry: Entry) -> None:
-        """The load fit only after freeing in ``freed``: evidence of one memory."""
-        if not freed:
-            return
+        """The load fit only after freeing in ``freed``: evidence of one memory (learned
+        by the shared books, when the broker answers to them: ``Remote.learns_aliases``)."""
+        if freed and not self._remote.learns_aliases(entry, freed):
+            self.learn(freed, entry.charge, entry.owner.name, entry.key)
+
+    def learn(
+        self, freed: Iterable[str], loaded: Iterable[str], cache: str, key: Hashable
+    ) -> list[tuple[str, str]]:
+        """A load of ``cache:key`` in ``loaded`` fit only after freeing in ``freed``: note
+        the evidence, merge at the threshold, say so; the pairs merged."""
         steps = self._steps
         threshold = self._alias_threshold
-        learned = steps.core.note_alias_evidence(freed, entry.charge, threshold)
+        learned = steps.core.note_alias_evidence(freed, loaded, threshold)
         for keep, other in learned.merged:
             steps.emit(
                 "warning",
                 ev.ALIAS_LEARNED,
                 spaces=[keep, other],
                 evidence=threshold,
-                cache=entry.owner.name,
-                key=entry.key,
+                cache=cache,
+                key=key,
             )
         for refused in learned.refused:
             steps.emit(
@@ -288,10 +295,11 @@ class Loads:
                 spaces=sorted(refused.spaces),
                 circle=list(refused.circle),
                 evidence=threshold,
-                cache=entry.owner.name,
-                key=entry.key,
+                cache=cache,
+                key=key,
             )
         steps.apply()
+        return learned.merged
 
     # --------------------------------------------------------------- threads
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Awaitable, Callable, Coroutine, Hashable
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from threading import get_ident
 from types import TracebackType
 from typing import Any, assert_never, cast
@@ -363,6 +363,13 @@ class Runner:
     def note_idle(self, entry: Entry) -> None:
         """Wake the sweeper if ``entry`` expires before its current deadline."""
         self.sweeper.note_idle(entry)
+
+    def learn_aliases(
+        self, freed: Iterable[str], loaded: Iterable[str], cache: str, key: Hashable
+    ) -> list[tuple[str, str]]:
+        """Evidence that ``freed`` and ``loaded`` are one memory (``Loads.learn``): the
+        pairs of spaces merged by it."""
+        return self.loads.learn(freed, loaded, cache, key)
 
     def remove_listener(self, listener: Listener) -> None:
         """Stop calling ``listener``; one that is not registered is ignored."""

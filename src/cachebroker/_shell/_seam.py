@@ -14,7 +14,7 @@ wait, how did that release end, who holds this entry).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -126,6 +126,10 @@ class Remote(Protocol):
         books free (``Core.free_for_retry``), as in one process.
         """
 
+    def learns_aliases(self, entry: Entry, freed: Collection[str]) -> bool:
+        """``entry``'s load fit only after freeing in ``freed``: whether the other broker's
+        books take the evidence of one memory (``False``: these books do)."""
+
     def ask_why(self, entry: Entry) -> Callable[[str], Awaitable[str]] | None:
         """For a request that timed out waiting for another broker's grant: ask it why.
 
@@ -184,6 +188,9 @@ class Local:
     async def free_for_retry(self, entry: Entry) -> Freed | None:
         return None  # the books free their own victims
 
+    def learns_aliases(self, entry: Entry, freed: Collection[str]) -> bool:
+        return False
+
     def ask_why(self, entry: Entry) -> Callable[[str], Awaitable[str]] | None:
         return None  # the books know why themselves
 
@@ -238,6 +245,12 @@ class Relay(Protocol):
 
     def note_idle(self, entry: Entry) -> None:
         """``entry``'s last lease ended: it may expire before the idle timer's next run."""
+
+    def learn_aliases(
+        self, freed: Iterable[str], loaded: Iterable[str], cache: str, key: Hashable
+    ) -> list[tuple[str, str]]:
+        """A process's load fit only after freeing in ``freed``: evidence of one memory,
+        as in-process; the pairs of spaces it merged."""
 
     async def open_block(
         self, name: str, release: ReleaseFunction, *, move: MoveFunction | None = None
