@@ -48,6 +48,9 @@ async def open_broker(kind: str, budget: Any, **settings: Any) -> AsyncIterator[
         mine["clock"] = settings["clock"]
     directory = tempfile.mkdtemp(prefix="cb-", dir="/tmp")  # (socket paths are short)
     daemon = Daemon(DaemonBroker(budget, **settings), os.path.join(directory, "s.sock"))
+    # What the test's block raised, held while the daemon's task group ends (where
+    # it would be wrapped in a group): it comes out as from an in-process broker.
+    error: BaseException | None = None
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(daemon.run)
@@ -58,10 +61,16 @@ async def open_broker(kind: str, budget: Any, **settings: Any) -> AsyncIterator[
                         yield broker
                     finally:
                         del _DAEMONS[id(broker)]
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as exc:
+                error = exc
             finally:
                 tg.cancel_scope.cancel()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    if error is not None:
+        raise error
 
 
 def daemon_of(broker: Broker) -> Daemon | None:

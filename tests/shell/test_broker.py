@@ -497,10 +497,10 @@ async def test_invalidate_releases_idle_value_and_next_acquire_reloads(kind: str
         assert calls == ["v", "v"]
 
 
-async def test_evict_idle_uses_injected_clock() -> None:
+async def test_evict_idle_uses_injected_clock(kind: str) -> None:
     now = [0.0]
     plugin = Recorder()
-    async with Broker(budget=100, idle_ttl=30, clock=lambda: now[0]) as broker:
+    async with open_broker(kind, 100, idle_ttl=30, clock=lambda: now[0]) as broker:
         async with broker.cache("p", plugin) as cache:
             async with cache.acquire("a", load=loader(1), size=10):
                 pass
@@ -706,10 +706,10 @@ async def test_bad_cost_is_rejected(kind: str) -> None:
             await cache.acquire("k", load=loader(1), size=1, cost=-2)
 
 
-async def test_per_entry_idle_ttl_overrides_the_broker_one() -> None:
+async def test_per_entry_idle_ttl_overrides_the_broker_one(kind: str) -> None:
     now = [0.0]
     plugin = Recorder()
-    async with Broker(budget=100, idle_ttl=300, clock=lambda: now[0]) as broker:
+    async with open_broker(kind, 100, idle_ttl=300, clock=lambda: now[0]) as broker:
         async with broker.cache("p", plugin) as cache:
             async with cache.acquire("short", load=loader(1), size=10, idle_ttl=5):
                 pass
@@ -744,10 +744,10 @@ async def test_sweeper_honours_per_entry_ttl_without_a_broker_ttl(kind: str) -> 
         assert plugin.released == ["k"]
 
 
-async def test_pinned_entry_stays_resident_until_unpinned() -> None:
+async def test_pinned_entry_stays_resident_until_unpinned(kind: str) -> None:
     now = [0.0]
     plugin = Recorder()
-    async with Broker(budget=100, idle_ttl=10, clock=lambda: now[0]) as broker:
+    async with open_broker(kind, 100, idle_ttl=10, clock=lambda: now[0]) as broker:
         async with broker.cache("p", plugin) as cache:
             async with cache.acquire("pinned", load=loader(1), size=60, pin=True):
                 pass

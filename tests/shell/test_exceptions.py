@@ -30,6 +30,7 @@ from cachebroker import (
     RequestTooLarge,
 )
 from cachebroker.simulator import TraceError
+from tests.brokers import open_broker
 from tests.helpers import Recorder, loader, wait_until
 
 
@@ -41,11 +42,11 @@ class Meltdown(BaseException):
 
 
 @pytest.mark.anyio
-async def test_key_error_in_a_broker_body_is_caught_by_except_key_error() -> None:
+async def test_key_error_in_a_broker_body_is_caught_by_except_key_error(kind: str) -> None:
     error = KeyError("mine")
     caught: BaseException | None = None
     try:
-        async with Broker(budget=100):
+        async with open_broker(kind, budget=100):
             raise error
     except KeyError as exc:
         caught = exc
@@ -54,11 +55,13 @@ async def test_key_error_in_a_broker_body_is_caught_by_except_key_error() -> Non
 
 
 @pytest.mark.anyio
-async def test_key_error_in_a_cache_body_is_caught_by_except_key_error_outside_the_broker() -> None:
+async def test_key_error_in_a_cache_body_is_caught_by_except_key_error_outside_the_broker(
+    kind: str,
+) -> None:
     error = KeyError("mine")
     caught: BaseException | None = None
     try:
-        async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+        async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
             async with cache.acquire("k", load=loader("v"), size=10):
                 pass
             raise error
@@ -68,10 +71,13 @@ async def test_key_error_in_a_cache_body_is_caught_by_except_key_error_outside_t
 
 
 @pytest.mark.anyio
-async def test_request_too_large_in_a_cache_body_is_caught_by_its_class() -> None:
+async def test_request_too_large_in_a_cache_body_is_caught_by_its_class(kind: str) -> None:
     caught: RequestTooLarge | None = None
     try:
-        async with Broker(budget="1GiB") as broker, broker.cache("whisper", Recorder()) as cache:
+        async with (
+            open_broker(kind, budget="1GiB") as broker,
+            broker.cache("whisper", Recorder()) as cache,
+        ):
             await cache.acquire("large", load=loader("v"), size="2GiB")
     except RequestTooLarge as exc:
         caught = exc
@@ -79,11 +85,11 @@ async def test_request_too_large_in_a_cache_body_is_caught_by_its_class() -> Non
 
 
 @pytest.mark.anyio
-async def test_leases_outstanding_from_a_cache_exit_is_caught_by_its_class() -> None:
+async def test_leases_outstanding_from_a_cache_exit_is_caught_by_its_class(kind: str) -> None:
     holder: Any = None
     caught: LeasesOutstanding | None = None
     try:
-        async with Broker(budget=100, release_timeout=0.01) as broker:
+        async with open_broker(kind, budget=100, release_timeout=0.01) as broker:
             async with broker.cache("p", Recorder()) as cache:
                 holder = await cache.acquire("a", load=loader("v"), size=40)
     except LeasesOutstanding as exc:
@@ -96,11 +102,11 @@ async def test_leases_outstanding_from_a_cache_exit_is_caught_by_its_class() -> 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("where", ["broker", "cache"])
-async def test_keyboard_interrupt_in_a_body_comes_out_bare(where: str) -> None:
+async def test_keyboard_interrupt_in_a_body_comes_out_bare(kind: str, where: str) -> None:
     interrupt = KeyboardInterrupt()
 
     async def interrupted() -> None:
-        async with Broker(budget=100) as broker:
+        async with open_broker(kind, budget=100) as broker:
             if where == "broker":
                 raise interrupt
             async with broker.cache("p", Recorder()):
@@ -112,11 +118,11 @@ async def test_keyboard_interrupt_in_a_body_comes_out_bare(where: str) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_bodys_own_exception_group_comes_out_as_itself() -> None:
+async def test_a_bodys_own_exception_group_comes_out_as_itself(kind: str) -> None:
     group = ExceptionGroup("the application's", [KeyError("a"), ValueError("b")])
 
     async def body() -> None:
-        async with Broker(budget=100) as broker, broker.cache("p", Recorder()):
+        async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()):
             raise group
 
     with pytest.raises(ExceptionGroup) as info:
@@ -125,9 +131,9 @@ async def test_a_bodys_own_exception_group_comes_out_as_itself() -> None:
 
 
 @pytest.mark.anyio
-async def test_cancellation_of_the_block_is_not_turned_into_an_error() -> None:
+async def test_cancellation_of_the_block_is_not_turned_into_an_error(kind: str) -> None:
     with anyio.move_on_after(0.01) as scope:
-        async with Broker(budget=100) as broker, broker.cache("p", Recorder()):
+        async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()):
             await anyio.sleep_forever()
     assert scope.cancelled_caught
 
@@ -186,8 +192,8 @@ def test_independent_failures_at_once_come_out_as_a_group(
 
 
 @pytest.mark.anyio
-async def test_acquire_timeout_names_the_entry_and_what_it_waited_for() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_acquire_timeout_names_the_entry_and_what_it_waited_for(kind: str) -> None:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         held, done = anyio.Event(), anyio.Event()
 
         async def holder() -> None:
@@ -217,14 +223,14 @@ async def test_acquire_timeout_names_the_entry_and_what_it_waited_for() -> None:
 
 
 @pytest.mark.anyio
-async def test_requests_failed_by_a_closing_cache_name_their_entry() -> None:
+async def test_requests_failed_by_a_closing_cache_name_their_entry(kind: str) -> None:
     got: list[BaseException] = []
 
     async def slow() -> str:
         await anyio.sleep_forever()
         raise AssertionError
 
-    async with Broker(budget=100) as broker:
+    async with open_broker(kind, budget=100) as broker:
         async with anyio.create_task_group() as tg:
             async with broker.cache("p", Recorder()) as cache:
 
@@ -242,8 +248,11 @@ async def test_requests_failed_by_a_closing_cache_name_their_entry() -> None:
 
 
 @pytest.mark.anyio
-async def test_argument_and_lease_errors_name_their_entry() -> None:
-    async with Broker(budget={"ram": 100}) as broker, broker.cache("p", Recorder()) as cache:
+async def test_argument_and_lease_errors_name_their_entry(kind: str) -> None:
+    async with (
+        open_broker(kind, budget={"ram": 100}) as broker,
+        broker.cache("p", Recorder()) as cache,
+    ):
         with pytest.raises(cachebroker.InvalidArgument, match=r"acquiring p:'k': unknown space"):
             await cache.acquire("k", load=loader(1), size={"gpu": 10})
         lease = await cache.acquire("k", load=loader(1), size={"ram": 60})

@@ -34,6 +34,7 @@ from .. import _log_events as ev
 from .._core import Entry, Reason, Request, State
 from .._errors import BrokerClosed, DeadlockError, InvalidArgument
 from .._shell._config import oom_error_types, remembered_sizes
+from .._shell._requests import need_words
 from .._shell._runner import Runner
 from .._shell._seam import FailedThere, Freed, Refused, Terms
 from .._shell._steps import Spawn, Steps
@@ -1031,12 +1032,15 @@ class LinkAdmission:
         if promoting or (entry in link.told and link.told[entry] is None):
             if not link.online:
                 return "space", f"the broker at {self.address} to come back (reconnecting)"
+            # (as in-process: the space it needs, then the daemon's own words: ``ask_why``)
+            need = need_words(entry) if not entry.unknown else ""
+            space = f"space ({need})" if need else "space"
             if promoting:
                 return "space", (
-                    f"space from the broker at {self.address} to move it back up from the "
-                    "lower tier"
+                    f"{space} to move it back up from the lower tier, from the broker at "
+                    f"{self.address}"
                 )
-            return "space", f"space from the broker at {self.address}"
+            return "space", f"{space} from the broker at {self.address}"
         return None
 
     async def shared_totals(self) -> Mapping[str, int] | None:

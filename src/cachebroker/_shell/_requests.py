@@ -314,6 +314,14 @@ class Requests:
                 self.end_lease(*dropped)
 
 
+def need_words(entry: Entry) -> str:
+    """What ``entry``'s request needs, in words: ``50 B in 'default'`` (or in any of its places)."""
+    if entry.places is not None and entry.need:  # any of them would do
+        places = ", ".join(map(repr, entry.places))
+        return f"{format_bytes(sum(entry.need.values()))} in any of {places}"
+    return ", ".join(f"{format_bytes(n)} in {name!r}" for name, n in entry.need.items())
+
+
 def _waiting_for(entry: Entry) -> tuple[str | None, str]:
     """What a request of ``entry`` still waits for: ``AcquireTimeout.waiting_for``, and in words."""
     if entry.state is State.LOADING:
@@ -323,10 +331,7 @@ def _waiting_for(entry: Entry) -> tuple[str | None, str]:
             f"a lease slot: concurrency={entry.slots}, {entry.leases} lease(s) held, "
             f"{len(entry.joiners)} request(s) waiting"
         )
-    need = ", ".join(f"{format_bytes(n)} in {name!r}" for name, n in entry.need.items())
-    if entry.places is not None and entry.need:  # any of them would do
-        places = ", ".join(map(repr, entry.places))
-        need = f"{format_bytes(sum(entry.need.values()))} in any of {places}"
+    need = need_words(entry)
     if entry.state is State.MOVING:
         if entry.promoting:
             return "load", "its move back up from the lower tier"
