@@ -68,11 +68,13 @@ async def once(lease: Lease[Any]) -> None:
 # ------------------------------------------------------------ measured sizes
 
 
-async def test_measured_sizes_under_concurrency_stay_within_budget_plus_one_model() -> None:
+async def test_measured_sizes_under_concurrency_stay_within_budget_plus_one_model(
+    kind: str,
+) -> None:
     sizes = {f"m{i}": 64 + 32 * i for i in range(5)}  # 64 .. 192
     plugin = Memory()
     budget = 300
-    async with Broker(budget=budget) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, budget=budget) as broker, broker.cache("p", plugin) as cache:
 
         async def use(key: str) -> None:
             async with cache.acquire(key, load=plugin.load(sizes[key]), size=len):
@@ -86,9 +88,9 @@ async def test_measured_sizes_under_concurrency_stay_within_budget_plus_one_mode
     assert plugin.peak <= budget + max(sizes.values()), plugin.peak
 
 
-async def test_measure_corrects_a_declared_size_and_is_remembered() -> None:
+async def test_measure_corrects_a_declared_size_and_is_remembered(kind: str) -> None:
     plugin = Memory()
-    async with Broker(budget=1000) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, budget=1000) as broker, broker.cache("p", plugin) as cache:
         async with cache.acquire("a", load=plugin.load(300), size=100, measure=len):
             assert (await broker.stats()).used == {"default": 300}
         assert broker.export_sizes() == {"p": {"a": {"default": 300}}}
@@ -163,8 +165,8 @@ async def test_bad_sizes_of_a_connected_broker_are_refused_when_it_is_entered(
         await wait_until(lambda: len(daemon.connections) == 1)  # (only ``other``'s)
 
 
-async def test_size_callable_and_measure_together_are_refused() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_size_callable_and_measure_together_are_refused(kind: str) -> None:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(TypeError, match="either size=callable or measure="):
             cache.acquire("a", load=loader(b"x"), size=len, measure=len)
         with pytest.raises(TypeError, match="measure must be a callable"):
@@ -174,9 +176,11 @@ async def test_size_callable_and_measure_together_are_refused() -> None:
 # ---------------------------------------------------- waiting on oneself
 
 
-async def test_task_holding_a_lease_is_not_queued_behind_a_request_waiting_for_it() -> None:
+async def test_task_holding_a_lease_is_not_queued_behind_a_request_waiting_for_it(
+    kind: str,
+) -> None:
     """T1 holds A; T2 waits for A's space; T1 asks for B, which fits: no hang."""
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         a = await cache.acquire("A", load=loader("a"), size=60)
         async with anyio.create_task_group() as tg:
             tg.start_soon(once, cache.acquire("X", load=loader("x"), size=50))
@@ -187,8 +191,8 @@ async def test_task_holding_a_lease_is_not_queued_behind_a_request_waiting_for_i
             await a.release()  # now X gets its space
 
 
-async def test_loader_that_acquires_its_own_key_gets_a_deadlock_error() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_loader_that_acquires_its_own_key_gets_a_deadlock_error(kind: str) -> None:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
 
         async def helper() -> str:
             async with cache.acquire("a", load=load_a, size=10) as inner:
@@ -205,8 +209,10 @@ async def test_loader_that_acquires_its_own_key_gets_a_deadlock_error() -> None:
             assert lease.value == "fine"
 
 
-async def test_threaded_loader_calling_back_for_its_own_key_gets_a_deadlock_error() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_threaded_loader_calling_back_for_its_own_key_gets_a_deadlock_error(
+    kind: str,
+) -> None:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
 
         async def inner() -> None:
             await cache.acquire("a", load=loader("x"), size=10)
@@ -220,8 +226,8 @@ async def test_threaded_loader_calling_back_for_its_own_key_gets_a_deadlock_erro
         assert (await broker.stats()).used == {"default": 0}
 
 
-async def test_loader_may_acquire_other_keys_of_unknown_size() -> None:
-    async with Broker(budget=1000) as broker, broker.cache("p", Recorder()) as cache:
+async def test_loader_may_acquire_other_keys_of_unknown_size(kind: str) -> None:
+    async with open_broker(kind, budget=1000) as broker, broker.cache("p", Recorder()) as cache:
 
         async def load_outer() -> bytes:
             async with cache.acquire("inner", load=loader(b"i" * 10), size=len) as inner:
@@ -236,8 +242,8 @@ async def test_loader_may_acquire_other_keys_of_unknown_size() -> None:
 # ----------------------------------------------------------------- fairness
 
 
-async def test_stream_of_short_leases_does_not_starve_a_large_request() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_stream_of_short_leases_does_not_starve_a_large_request(kind: str) -> None:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         for key in ("A", "B"):
             await (await cache.acquire(key, load=loader(key), size=50)).release()
         stop = anyio.Event()
@@ -260,9 +266,9 @@ async def test_stream_of_short_leases_does_not_starve_a_large_request() -> None:
 # --------------------------------------------- leases outliving their cache
 
 
-async def test_lease_held_past_its_cache_stays_visible_and_forgettable() -> None:
+async def test_lease_held_past_its_cache_stays_visible_and_forgettable(kind: str) -> None:
     plugin = Recorder()
-    async with Broker(budget=100, release_timeout=0.05) as broker:
+    async with open_broker(kind, budget=100, release_timeout=0.05) as broker:
         holder: Any = None
         with pytest.raises(LeasesOutstanding):
             async with broker.cache("p", plugin) as cache:
@@ -277,8 +283,8 @@ async def test_lease_held_past_its_cache_stays_visible_and_forgettable() -> None
     assert plugin.released == []
 
 
-async def test_lease_dropped_while_held_warns_and_is_ended() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_lease_dropped_while_held_warns_and_is_ended(kind: str) -> None:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
 
         async def dies() -> None:
             await cache.acquire("a", load=loader("v"), size=60)
@@ -300,9 +306,9 @@ async def test_lease_dropped_while_held_warns_and_is_ended() -> None:
 
 @pytest.mark.parametrize("entered", [False, True], ids=["awaited", "entered"])
 async def test_cache_used_from_another_threads_event_loop_is_refused(
-    anyio_backend: tuple[str, dict[str, Any]], entered: bool
+    kind: str, anyio_backend: tuple[str, dict[str, Any]], entered: bool
 ) -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         await (await cache.acquire("hit", load=loader(1), size=10)).release()
         errors: list[BaseException] = []
 
@@ -334,8 +340,8 @@ async def test_cache_used_from_another_threads_event_loop_is_refused(
         assert (stats.hits, stats.misses, stats.leased) == (0, 1, 0)
 
 
-async def test_lease_released_from_another_thread_is_ended_on_the_loop() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_lease_released_from_another_thread_is_ended_on_the_loop(kind: str) -> None:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         lease = await cache.acquire("a", load=loader(1), size=60)
 
         def release_there() -> None:
@@ -348,9 +354,9 @@ async def test_lease_released_from_another_thread_is_ended_on_the_loop() -> None
                 pass
 
 
-async def test_acquire_times_out_while_its_own_request_is_the_only_waiter() -> None:
+async def test_acquire_times_out_while_its_own_request_is_the_only_waiter(kind: str) -> None:
     """A timeout leaves nothing behind, even for a request that waited at the gate."""
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         gate = anyio.Event()
 
         async def slow() -> bytes:
@@ -369,12 +375,13 @@ async def test_acquire_times_out_while_its_own_request_is_the_only_waiter() -> N
 
 
 async def test_loop_of_hits_lets_other_tasks_run_on_trio(
+    kind: str,
     anyio_backend: tuple[str, dict[str, Any]],
 ) -> None:
     """trio: every async operation is a checkpoint; a hit is a schedule point now and then."""
     if anyio_backend[0] != "trio":
         pytest.skip("asyncio: an uncontended hit completes without suspending, by design")
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         await (await cache.acquire("k", load=loader(1), size=10)).release()
         ticks = 0
         done = False
@@ -401,6 +408,7 @@ async def test_loop_of_hits_lets_other_tasks_run_on_trio(
 
 
 async def test_releaser_that_blocks_the_loop_is_reported(
+    kind: str,
     events: list[MutableMapping[str, Any]],
 ) -> None:
     class Blocking:
@@ -408,7 +416,7 @@ async def test_releaser_that_blocks_the_loop_is_reported(
             await anyio.lowlevel.checkpoint()
             time.sleep(0.06)  # noqa: ASYNC251 - a gc.collect() or device sync on the loop
 
-    async with Broker(budget=100, blocking_warning=0.05) as broker:
+    async with open_broker(kind, budget=100, blocking_warning=0.05) as broker:
         async with broker.cache("p", Blocking()) as cache:
             await (await cache.acquire("a", load=loader(1), size=10)).release()
             await cache.invalidate("a")
@@ -419,6 +427,7 @@ async def test_releaser_that_blocks_the_loop_is_reported(
 
 
 async def test_releaser_that_yields_is_not_reported(
+    kind: str,
     events: list[MutableMapping[str, Any]],
 ) -> None:
     class Yielding:
@@ -426,7 +435,7 @@ async def test_releaser_that_yields_is_not_reported(
             for _ in range(100):
                 await anyio.lowlevel.checkpoint()
 
-    async with Broker(budget=100, blocking_warning=1.0) as broker:
+    async with open_broker(kind, budget=100, blocking_warning=1.0) as broker:
         async with broker.cache("p", Yielding()) as cache:
             await (await cache.acquire("a", load=loader(1), size=10)).release()
             await cache.invalidate("a")
@@ -440,6 +449,7 @@ async def test_releaser_that_yields_is_not_reported(
 async def test_lease_held_long_while_requests_wait_is_reported(
     events: list[MutableMapping[str, Any]],
 ) -> None:
+    # (In-process: connected, the daemon reports it, naming the process: test_remote_pins.py.)
     now = [0.0]
     async with Broker(budget=100, clock=lambda: now[0], lease_warning=0.4) as broker:
         async with broker.cache("p", Recorder()) as cache:

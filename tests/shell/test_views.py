@@ -14,14 +14,17 @@ import anyio
 import pytest
 
 from cachebroker import Broker
+from tests.brokers import open_broker
 from tests.helpers import Recorder, loader, wait_until
 
 pytestmark = pytest.mark.anyio
 
 
-async def test_invalidating_a_leased_entry_returns_at_once_and_releases_at_lease_end() -> None:
+async def test_invalidating_a_leased_entry_returns_at_once_and_releases_at_lease_end(
+    kind: str,
+) -> None:
     plugin = Recorder()
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", plugin) as cache:
         lease = await cache.acquire("a", load=loader("v1"), size=10)
         with anyio.fail_after(5):  # it must not wait for the lease it cannot end
             assert await cache.invalidate("a") is True
@@ -36,7 +39,7 @@ async def test_invalidating_a_leased_entry_returns_at_once_and_releases_at_lease
         assert stats.used == {"default": 10}
 
 
-async def test_invalidating_an_entry_that_is_loading_does_not_wait_for_the_load() -> None:
+async def test_invalidating_an_entry_that_is_loading_does_not_wait_for_the_load(kind: str) -> None:
     plugin = Recorder()
     started, finish = anyio.Event(), anyio.Event()
     got: list[Any] = []
@@ -46,7 +49,7 @@ async def test_invalidating_an_entry_that_is_loading_does_not_wait_for_the_load(
         await finish.wait()
         return "old"
 
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", plugin) as cache:
 
         async def requester() -> None:
             async with cache.acquire("a", load=slow, size=10) as lease:
@@ -66,9 +69,11 @@ async def test_invalidating_an_entry_that_is_loading_does_not_wait_for_the_load(
 
 
 @pytest.mark.parametrize("entered", [False, True], ids=["awaited", "entered"])
-async def test_a_lease_with_options_applies_them_awaited_or_entered(entered: bool) -> None:
+async def test_a_lease_with_options_applies_them_awaited_or_entered(
+    kind: str, entered: bool
+) -> None:
     plugin = Recorder()
-    async with Broker(budget=100) as broker, broker.cache("p", plugin) as cache:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", plugin) as cache:
         # pin=True: kept although a later request needs its space and nothing else is idle.
         if entered:
             async with cache.acquire("pinned", load=loader(1), size=60, pin=True, cost=5):

@@ -881,6 +881,7 @@ def connected_runner(
     reconnect: Reconnect | None = None,
     sizes: Mapping[str, Mapping[Any, Any]] | None = None,
     clock: Callable[[], float] | None = None,
+    blocking_warning: float | None = 0.1,
 ) -> Runner:
     """The runner of a broker connected to a shared one (``Broker.connect``).
 
@@ -893,7 +894,7 @@ def connected_runner(
         probes={},
         idle_ttl=None,
         release_timeout=30.0,
-        blocking_warning=0.1,
+        blocking_warning=blocking_warning,
         lease_warning=60.0,
         memory_wait=None,
         probe_interval=None,

@@ -215,6 +215,7 @@ class Broker:
         reconnect_max_delay: float = 1.0,
         reconnect_timeout: float | None = None,
         clock: Callable[[], float] | None = None,
+        blocking_warning: float | None = 0.1,
     ) -> Broker:
         """A broker backed by the machine's shared one (``cachebroker serve``).
 
@@ -254,9 +255,12 @@ class Broker:
                 gives up (``None``: it never does).
             clock: As for ``Broker``: this process runs its entries' idle
                 timers (with the daemon's idle TTL) and times its loads on it.
+            blocking_warning: As for ``Broker``: this process's releasers run
+                on its loop.
 
         .. versionchanged:: 0.1.0
-           ``reconnect`` and its settings; ``oom_retries``, ``sizes``, ``clock``.
+           ``reconnect`` and its settings; ``oom_retries``, ``sizes``, ``clock``,
+           ``blocking_warning``.
         """
         from .._remote._client import Reconnect, connected_runner  # (only when asked for)
 
@@ -272,6 +276,7 @@ class Broker:
         timeout = positive_seconds(reconnect_timeout, "reconnect_timeout", inf_is_none=True)
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        blocking = positive_seconds(blocking_warning, "blocking_warning", inf_is_none=True)
         runner = connected_runner(
             _address(address),
             logger=_logging.check_logger(logger),
@@ -279,6 +284,7 @@ class Broker:
             oom_retries=oom_retry_bound(oom_retries),
             sizes=sizes,
             clock=clock,
+            blocking_warning=blocking,
             reconnect=Reconnect(reconnect, delay, max_delay, timeout),
         )
         broker = cls.__new__(cls)
