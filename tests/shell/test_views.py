@@ -13,7 +13,6 @@ from typing import Any
 import anyio
 import pytest
 
-from cachebroker import Broker
 from tests.brokers import open_broker
 from tests.helpers import Recorder, loader, wait_until
 
