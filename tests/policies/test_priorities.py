@@ -37,6 +37,7 @@ from cachebroker import (
 )
 from cachebroker._core import Entry, Reason, Request, State, Ticket, _transitions
 from cachebroker._policies import make_policy
+from tests.brokers import open_broker
 from tests.harness import Harness
 from tests.helpers import steps_until, watch
 from tests.remote.support import Plugin, serving, value
@@ -213,9 +214,9 @@ async def load_v() -> str:
 
 
 @pytest.mark.anyio
-async def test_cache_defaults_and_acquire_overrides() -> None:
+async def test_cache_defaults_and_acquire_overrides(kind: str) -> None:
     async with (
-        Broker(budget=30) as broker,
+        open_broker(kind, budget=30) as broker,
         broker.cache("chat", release, priority=5) as chat,
         broker.cache("embed", release) as embed,
     ):
@@ -229,8 +230,10 @@ async def test_cache_defaults_and_acquire_overrides() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_request_that_only_higher_priorities_could_serve_times_out_saying_so() -> None:
-    async with Broker(budget=20) as broker, broker.cache("m", release) as cache:
+async def test_a_request_that_only_higher_priorities_could_serve_times_out_saying_so(
+    kind: str,
+) -> None:
+    async with open_broker(kind, budget=20) as broker, broker.cache("m", release) as cache:
         await (await cache.acquire("dear", load=load_v, size=20, priority=3)).release()
         with pytest.raises(AcquireTimeout) as caught:
             await cache.acquire("cheap", load=load_v, size=10, priority=1, timeout=0.05)
@@ -245,9 +248,11 @@ async def test_a_request_that_only_higher_priorities_could_serve_times_out_sayin
 
 
 @pytest.mark.anyio
-async def test_a_low_priority_waiter_does_not_hold_back_a_higher_priority_request() -> None:
+async def test_a_low_priority_waiter_does_not_hold_back_a_higher_priority_request(
+    kind: str,
+) -> None:
     async with (
-        Broker(budget=100) as broker,
+        open_broker(kind, budget=100) as broker,
         broker.cache("chat", release, priority=10) as chat,
         broker.cache("embed", release, priority=0) as embed,
     ):
@@ -312,9 +317,11 @@ def test_an_uncopyable_policy_refused_at_a_second_priority_leaves_the_books_cons
 
 
 @pytest.mark.anyio
-async def test_an_uncopyable_policy_refused_at_a_second_priority_leaves_the_broker_usable() -> None:
+async def test_an_uncopyable_policy_refused_at_a_second_priority_leaves_the_broker_usable(
+    kind: str,
+) -> None:
     async with (
-        Broker(budget=20, policy=Uncopyable()) as broker,
+        open_broker(kind, budget=20, policy=Uncopyable()) as broker,
         broker.cache("m", release) as cache,
     ):
         await (await cache.acquire("a", load=Loads(), size=10)).release()

@@ -24,6 +24,7 @@ from cachebroker._remote import _serve
 from cachebroker._remote._daemon import Daemon
 from cachebroker._units import UNITS
 from cachebroker.probes import Probe, SystemMemory
+from tests.brokers import open_broker
 from tests.helpers import Recorder, loader
 
 pytestmark = pytest.mark.anyio
@@ -147,8 +148,8 @@ def test_a_fractional_budget_is_refused_not_read_as_zero() -> None:
         Broker(budget={"ram": "0.5B"})
 
 
-async def test_a_fractional_size_or_measure_is_refused() -> None:
-    async with Broker(budget="1KiB") as broker, broker.cache("c", Recorder()) as cache:
+async def test_a_fractional_size_or_measure_is_refused(kind: str) -> None:
+    async with open_broker(kind, budget="1KiB") as broker, broker.cache("c", Recorder()) as cache:
         with pytest.raises(InvalidArgument, match=r"c:'a'.*'1.3B' is not a whole number"):
             await cache.acquire("a", load=loader(1), size="1.3B")
         with pytest.raises(InvalidArgument, match=r"not a whole number of bytes"):

@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from cachebroker import Broker, InvalidArgument
+from cachebroker import InvalidArgument
 from cachebroker.probes import Probe
 from cachebroker.sizes import measured, torch_bytes, weights_bytes
+from tests.brokers import open_broker
 
 
 def save_safetensors(path: Path, tensors: Mapping[str, np.ndarray[Any, Any]]) -> int:
@@ -884,7 +885,7 @@ class Dropper:
 
 
 @pytest.mark.anyio
-async def test_a_broker_corrects_a_declared_size_to_the_measured_one() -> None:
+async def test_a_broker_corrects_a_declared_size_to_the_measured_one(kind: str) -> None:
     device = Memory(total=100_000)
     loaded: dict[str, int] = {}
 
@@ -896,7 +897,7 @@ async def test_a_broker_corrects_a_declared_size_to_the_measured_one() -> None:
 
         return load
 
-    async with Broker(budget={"cuda:0": 10_000}) as broker:
+    async with open_broker(kind, budget={"cuda:0": 10_000}) as broker:
         async with broker.cache("plugin", Dropper(device, loaded)) as cache:
             load, measure = measured(loader("a", 3_000), {"cuda:0": device.read})
             async with cache.acquire("a", load=load, size={"cuda:0": 1_000}, measure=measure):
@@ -910,7 +911,7 @@ async def test_a_broker_corrects_a_declared_size_to_the_measured_one() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_plain_measured_loader_runs_in_a_worker_thread() -> None:
+async def test_a_plain_measured_loader_runs_in_a_worker_thread(kind: str) -> None:
     device = Memory()
     threads: list[bool] = []
 
@@ -925,7 +926,7 @@ async def test_a_plain_measured_loader_runs_in_a_worker_thread() -> None:
         pass
 
     wrapped, measure = measured(load, {"ram": device.read})
-    async with Broker(budget={"ram": 1_000}) as broker:
+    async with open_broker(kind, budget={"ram": 1_000}) as broker:
         async with broker.cache("plugin", release) as cache:
             async with cache.acquire("k", load=wrapped, measure=measure) as lease:
                 assert lease.value == "model"
