@@ -24,7 +24,7 @@ from cachebroker._remote._daemon import Daemon, DaemonBroker
 
 KINDS = ("local", "connected")
 #: The settings a connected broker takes itself (``Broker.connect``), not its daemon.
-CONNECT_SETTINGS = ("oom_errors", "oom_retries", "sizes", "blocking_warning")
+CONNECT_SETTINGS = ("oom_errors", "oom_retries", "sizes", "blocking_warning", "logger")
 
 _DAEMONS: dict[int, Daemon] = {}
 

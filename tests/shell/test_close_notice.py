@@ -16,6 +16,7 @@ import pytest
 
 from cachebroker import Broker
 from cachebroker._shell import _runner
+from tests.brokers import open_broker
 from tests.helpers import loader
 from tests.shell.support import Faulty, fill
 
@@ -74,9 +75,10 @@ async def test_leaving_the_broker_while_a_release_hangs_says_which_and_for_how_l
 
 @pytest.mark.usefixtures("prompt")
 async def test_leaving_a_cache_while_a_lease_is_held_names_the_lease(
+    kind: str,
     events: list[MutableMapping[str, Any]],
 ) -> None:
-    async with Broker(budget=100, release_timeout=5) as broker:
+    async with open_broker(kind, budget=100, release_timeout=5) as broker:
         ended = anyio.Event()
 
         def answer(event: str, fields: Mapping[str, Any]) -> None:
@@ -99,8 +101,8 @@ async def test_leaving_a_cache_while_a_lease_is_held_names_the_lease(
     assert 0 < notice["seconds"] <= 5
 
 
-async def test_a_quick_exit_says_nothing(events: list[MutableMapping[str, Any]]) -> None:
-    async with Broker(budget=100) as broker:
+async def test_a_quick_exit_says_nothing(kind: str, events: list[MutableMapping[str, Any]]) -> None:
+    async with open_broker(kind, budget=100) as broker:
         async with broker.cache("p", Faulty()) as cache:
             await fill(cache, "a", size=20)
             await fill(cache, "b", size=20)
@@ -112,10 +114,11 @@ async def test_a_quick_exit_says_nothing(events: list[MutableMapping[str, Any]])
 
 @pytest.mark.usefixtures("prompt")
 async def test_without_a_release_timeout_the_notice_says_there_is_no_limit(
+    kind: str,
     events: list[MutableMapping[str, Any]],
 ) -> None:
     plugin = Faulty(slow="late")
-    async with Broker(budget=100, release_timeout=None) as broker:
+    async with open_broker(kind, budget=100, release_timeout=None) as broker:
 
         def answer(event: str, fields: Mapping[str, Any]) -> None:
             if event == WAITING:

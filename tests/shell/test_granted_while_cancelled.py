@@ -18,7 +18,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from cachebroker import Broker
+from tests.brokers import open_broker
 
 pytestmark = pytest.mark.anyio
 
@@ -32,10 +32,10 @@ class Releaser:
         self.released.append(key)
 
 
-async def test_a_lease_granted_as_its_waiter_is_cancelled_is_given_back() -> None:
+async def test_a_lease_granted_as_its_waiter_is_cancelled_is_given_back(kind: str) -> None:
     releaser = Releaser()
     # release_timeout bounds the close only if the lease leaked (the test fails then).
-    async with Broker(budget=100, release_timeout=2) as broker:
+    async with open_broker(kind, budget=100, release_timeout=2) as broker:
         async with broker.cache("p", releaser) as cache:
             scope = anyio.CancelScope()
 
@@ -61,10 +61,10 @@ async def test_a_lease_granted_as_its_waiter_is_cancelled_is_given_back() -> Non
             assert (await broker.stats()).used == {"default": 0}
 
 
-async def test_only_the_cancelled_joiner_gives_its_lease_back() -> None:
+async def test_only_the_cancelled_joiner_gives_its_lease_back(kind: str) -> None:
     """Two tasks wait for one load; one is cancelled in the granting step, the other keeps its."""
     releaser = Releaser()
-    async with Broker(budget=100, release_timeout=2) as broker:
+    async with open_broker(kind, budget=100, release_timeout=2) as broker:
         async with broker.cache("p", releaser) as cache:
             cancelled = anyio.CancelScope()
             both_waiting = anyio.Event()

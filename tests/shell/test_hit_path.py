@@ -14,14 +14,15 @@ from typing import Any
 
 import pytest
 
-from cachebroker import Broker, Lease, LeaseReleased
+from cachebroker import Lease, LeaseReleased
+from tests.brokers import open_broker
 from tests.helpers import Recorder, loader, wait_until
 
 pytestmark = pytest.mark.anyio
 
 
-async def test_async_with_ends_the_lease_as_release_does() -> None:
-    async with Broker(budget=100, idle_ttl=60) as broker, broker.cache("p", Recorder()) as cache:
+async def test_async_with_ends_the_lease_as_release_does(kind: str) -> None:
+    async with open_broker(kind, budget=100, idle_ttl=60) as broker, broker.cache("p", Recorder()) as cache:
         async with cache.acquire("a", load=loader("v"), size=10) as lease:
             assert isinstance(lease, Lease)
             assert lease.value == "v"
@@ -35,8 +36,8 @@ async def test_async_with_ends_the_lease_as_release_does() -> None:
         assert broker.stats_nowait().leased == 0
 
 
-async def test_a_lease_is_entered_or_awaited_once() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_a_lease_is_entered_or_awaited_once(kind: str) -> None:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         lease = cache.acquire("a", load=loader("v"), size=10)
         async with lease:
             with pytest.raises(RuntimeError, match="already awaited or entered"):
@@ -47,8 +48,8 @@ async def test_a_lease_is_entered_or_awaited_once() -> None:
         assert broker.stats_nowait().leased == 0
 
 
-async def test_release_returns_a_finished_awaitable_that_can_be_awaited_again() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_release_returns_a_finished_awaitable_that_can_be_awaited_again(kind: str) -> None:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         first = await cache.acquire("a", load=loader("v"), size=10)
         second = await cache.acquire("a", load=loader("v"), size=10)
         done = first.release()
@@ -59,8 +60,8 @@ async def test_release_returns_a_finished_awaitable_that_can_be_awaited_again() 
         assert broker.stats_nowait().leased == 0
 
 
-async def test_lease_entered_with_async_with_and_left_by_an_exception_is_ended() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_lease_entered_with_async_with_and_left_by_an_exception_is_ended(kind: str) -> None:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(KeyError):
             async with cache.acquire("a", load=loader("v"), size=60):
                 raise KeyError("body")
@@ -69,9 +70,9 @@ async def test_lease_entered_with_async_with_and_left_by_an_exception_is_ended()
             pass
 
 
-async def test_hit_lease_dropped_while_held_warns_and_is_ended() -> None:
+async def test_hit_lease_dropped_while_held_warns_and_is_ended(kind: str) -> None:
     """A lease built by the hit path (no __init__) still reports being dropped."""
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         await (await cache.acquire("a", load=loader("v"), size=60)).release()
 
         async def dies() -> None:
@@ -85,8 +86,8 @@ async def test_hit_lease_dropped_while_held_warns_and_is_ended() -> None:
         await wait_until(lambda: broker.stats_nowait().leased == 0)
 
 
-async def test_unawaited_hit_lease_holds_nothing_and_warns_nothing() -> None:
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+async def test_unawaited_hit_lease_holds_nothing_and_warns_nothing(kind: str) -> None:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         await (await cache.acquire("a", load=loader("v"), size=60)).release()
         lease = cache.acquire("a", load=loader("v"), size=60)
         assert repr(lease) == "<Lease 'a' not acquired>"
@@ -96,9 +97,9 @@ async def test_unawaited_hit_lease_holds_nothing_and_warns_nothing() -> None:
         assert broker.stats_nowait().leased == 0
 
 
-async def test_leases_entered_through_an_async_exit_stack() -> None:
+async def test_leases_entered_through_an_async_exit_stack(kind: str) -> None:
     """``AsyncExitStack`` calls ``__aenter__`` and awaits its result, as ``async with`` does."""
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         async with contextlib.AsyncExitStack() as stack:
             # (Any: to type checkers a Lease is no AbstractAsyncContextManager, whose
             # __aexit__ is a coroutine function.)

@@ -22,6 +22,7 @@ import structlog
 
 import cachebroker
 from cachebroker import Broker
+from tests.brokers import open_broker
 
 SRC = str(Path(cachebroker.__file__).resolve().parents[1])
 
@@ -140,10 +141,10 @@ def test_stdlib_warning_level_hides_debug_and_info() -> None:
 
 
 @pytest.mark.anyio
-async def test_stdlib_logger_given_receives_the_events(caplog: pytest.LogCaptureFixture) -> None:
+async def test_stdlib_logger_given_receives_the_events(kind: str, caplog: pytest.LogCaptureFixture) -> None:
     logger = logging.getLogger("app.models")
     caplog.set_level(logging.DEBUG, logger="app.models")
-    async with Broker(budget="1MiB", logger=logger) as broker:
+    async with open_broker(kind, budget="1MiB", logger=logger) as broker:
         await hit_twice(broker)
     records = [r for r in caplog.records if r.name == "app.models"]
     events = [(r.levelno, getattr(r, "event", None)) for r in records]
@@ -162,11 +163,12 @@ async def test_stdlib_logger_given_receives_the_events(caplog: pytest.LogCapture
 
 @pytest.mark.anyio
 async def test_stdlib_logger_adapter_given_receives_the_events(
+    kind: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     adapter = logging.LoggerAdapter(logging.getLogger("app.adapted"), {"plugin": "p"})
     caplog.set_level(logging.INFO, logger="app.adapted")
-    async with Broker(budget="1MiB", logger=adapter) as broker:
+    async with open_broker(kind, budget="1MiB", logger=adapter) as broker:
         await hit_twice(broker)
     messages = [r.getMessage().split()[0] for r in caplog.records if r.name == "app.adapted"]
     assert messages[:2] == ["cachebroker.load.start", "cachebroker.load.done"]
@@ -175,10 +177,11 @@ async def test_stdlib_logger_adapter_given_receives_the_events(
 
 @pytest.mark.anyio
 async def test_configured_structlog_is_honoured(
+    kind: str,
     events: list[MutableMapping[str, Any]], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    async with Broker(budget="1MiB") as broker:
+    async with open_broker(kind, budget="1MiB") as broker:
         await hit_twice(broker)
     names = [event["event"] for event in events]
     assert names[:5] == [
@@ -193,6 +196,7 @@ async def test_configured_structlog_is_honoured(
 
 @pytest.mark.anyio
 async def test_configured_structlog_through_stdlib_follows_its_level(
+    kind: str,
     cachebroker_level: logging.Logger,
 ) -> None:
     """structlog rendering through stdlib: the stdlib level, changed at runtime, applies."""
@@ -211,7 +215,7 @@ async def test_configured_structlog_through_stdlib_follows_its_level(
     )
     try:
         cachebroker_level.setLevel(logging.INFO)
-        async with Broker(budget="1MiB") as broker:
+        async with open_broker(kind, budget="1MiB") as broker:
             await hit_twice(broker)
             assert "cachebroker.hit" not in seen
             cachebroker_level.setLevel(logging.DEBUG)
@@ -231,6 +235,7 @@ def test_bad_logger_is_a_type_error_at_construction(logger: object) -> None:
 @pytest.mark.anyio
 @pytest.mark.usefixtures("structlog_unconfigured")
 async def test_raising_stdlib_level_at_runtime_shows_hit_events(
+    kind: str,
     caplog: pytest.LogCaptureFixture, cachebroker_level: logging.Logger
 ) -> None:
     """The hit path re-reads the level at the next step that is not a hit (here a miss)."""
@@ -238,7 +243,7 @@ async def test_raising_stdlib_level_at_runtime_shows_hit_events(
     def events() -> list[str]:
         return [getattr(r, "event", "") for r in caplog.records if r.name == "cachebroker"]
 
-    async with Broker(budget="1MiB") as broker:
+    async with open_broker(kind, budget="1MiB") as broker:
         async with broker.cache("p", release) as cache:
             for _ in range(2):
                 async with cache.acquire("k", load=load, size=1):
@@ -261,10 +266,11 @@ async def test_raising_stdlib_level_at_runtime_shows_hit_events(
 @pytest.mark.anyio
 @pytest.mark.usefixtures("structlog_unconfigured")
 async def test_listeners_get_events_whatever_the_level(
+    kind: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     seen: list[str] = []
-    async with Broker(budget="1MiB") as broker:
+    async with open_broker(kind, budget="1MiB") as broker:
         broker.add_listener(lambda event, fields: seen.append(event))
         await hit_twice(broker)
     assert not [r for r in caplog.records if r.name == "cachebroker"]

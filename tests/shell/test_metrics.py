@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from cachebroker import Broker, BrokerClosed
 from cachebroker.metrics import BrokerMetrics, instrument
+from tests.brokers import open_broker
 
 pytestmark = pytest.mark.anyio
 
@@ -38,10 +39,10 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
     return registry.get_sample_value(name, labels)
 
 
-async def test_metrics_follow_the_books() -> None:
+async def test_metrics_follow_the_books(kind: str) -> None:
     registry = CollectorRegistry()
     plugin = Plugin()
-    async with Broker(budget=100, release_timeout=0.05) as broker:
+    async with open_broker(kind, budget=100, release_timeout=0.05) as broker:
         metrics = instrument(broker, registry)
         async with broker.cache("p", plugin) as cache:
             for key in ("a", "b", "a"):  # two loads, one hit
@@ -85,9 +86,9 @@ async def test_metrics_follow_the_books() -> None:
             assert sample(registry, "cachebroker_loads_total") == 4  # still read from stats
 
 
-async def test_a_scrape_from_another_thread_is_taken_on_the_loop() -> None:
+async def test_a_scrape_from_another_thread_is_taken_on_the_loop(kind: str) -> None:
     registry = CollectorRegistry()
-    async with Broker(budget=100) as broker, broker.cache("p", Plugin()) as cache:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Plugin()) as cache:
         registry.register(BrokerMetrics(broker, namespace="models"))
         await (await cache.acquire("a", load=load, size=30)).release()
         used = await anyio.to_thread.run_sync(

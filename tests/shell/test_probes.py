@@ -13,6 +13,7 @@ import pytest
 
 from cachebroker import Broker, RequestTooLarge
 from cachebroker.probes import NvidiaGPU, Probe, SystemMemory
+from tests.brokers import open_broker
 from tests.helpers import Recorder, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -86,9 +87,9 @@ async def test_shrinking_device_evicts_idle_entries_on_the_timer() -> None:
         assert broker.stats_nowait().used == {"gpu": 400}
 
 
-async def test_size_above_device_total_minus_headroom_fails_fast() -> None:
+async def test_size_above_device_total_minus_headroom_fails_fast(kind: str) -> None:
     device = FakeDevice(1000)
-    async with Broker(budget={"gpu": Probe(device.read, headroom=200)}) as broker:
+    async with open_broker(kind, budget={"gpu": Probe(device.read, headroom=200)}) as broker:
         async with broker.cache("p", device) as cache:
             with pytest.raises(RequestTooLarge, match="800 B"):
                 await use(cache, device, "huge", 900)

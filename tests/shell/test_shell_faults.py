@@ -22,6 +22,7 @@ import pytest
 from cachebroker import Broker, BrokerClosed, BrokerError, Cache, LoadFailed
 from cachebroker._core import Request, State
 from cachebroker.probes import Probe
+from tests.brokers import open_broker
 from tests.harness import Harness
 from tests.helpers import Recorder, loader, plugin_name, wait_until
 
@@ -114,10 +115,11 @@ async def leave_a_threaded_load_running(cache: Cache, load: BlockedLoader, size:
 
 @pytest.mark.anyio
 async def test_threaded_load_running_when_its_cache_closes_is_released_when_it_returns(
+    kind: str,
     blocked: BlockedLoader, events: Events
 ) -> None:
     plugin = ValueRecorder()
-    async with Broker(budget=100, release_timeout=0.2) as broker:
+    async with open_broker(kind, budget=100, release_timeout=0.2) as broker:
         with anyio.fail_after(5):
             token = plugin_name.set("whisper")
             async with broker.cache("p", plugin) as cache:
@@ -142,11 +144,12 @@ async def test_threaded_load_running_when_its_cache_closes_is_released_when_it_r
 
 @pytest.mark.anyio
 async def test_broker_exit_is_bounded_by_a_threaded_load_that_never_returns(
+    kind: str,
     blocked: BlockedLoader, events: Events
 ) -> None:
     plugin = Recorder()
     with anyio.fail_after(5):
-        async with Broker(budget=100, release_timeout=0.2) as broker:
+        async with open_broker(kind, budget=100, release_timeout=0.2) as broker:
             async with broker.cache("p", plugin) as cache:
                 await leave_a_threaded_load_running(cache, blocked, 60)
     assert not blocked.returned.is_set()  # neither exit waited for the thread
@@ -162,11 +165,12 @@ async def test_broker_exit_is_bounded_by_a_threaded_load_that_never_returns(
 
 @pytest.mark.anyio
 async def test_threaded_load_failing_after_its_cache_closed_gives_its_bytes_back(
+    kind: str,
     blocked: BlockedLoader, events: Events
 ) -> None:
     plugin = Recorder()
     blocked.error = RuntimeError("CUDA error: out of memory")
-    async with Broker(budget=100, release_timeout=0.2) as broker:
+    async with open_broker(kind, budget=100, release_timeout=0.2) as broker:
         with anyio.fail_after(5):
             async with broker.cache("p", plugin) as cache:
                 await leave_a_threaded_load_running(cache, blocked, 60)
@@ -182,8 +186,8 @@ async def test_threaded_load_failing_after_its_cache_closed_gives_its_bytes_back
 
 
 @pytest.mark.anyio
-async def test_abandoning_a_threaded_load_is_no_out_of_memory_error(blocked: BlockedLoader) -> None:
-    async with Broker(budget=100, release_timeout=0.2, oom_errors=Exception) as broker:
+async def test_abandoning_a_threaded_load_is_no_out_of_memory_error(kind: str, blocked: BlockedLoader) -> None:
+    async with open_broker(kind, budget=100, release_timeout=0.2, oom_errors=Exception) as broker:
         with anyio.fail_after(5):
             async with broker.cache("p", Recorder()) as cache:
                 await leave_a_threaded_load_running(cache, blocked, 60)
@@ -195,10 +199,10 @@ async def test_abandoning_a_threaded_load_is_no_out_of_memory_error(blocked: Blo
 
 
 @pytest.mark.anyio
-async def test_threaded_load_whose_requesters_left_keeps_its_value() -> None:
+async def test_threaded_load_whose_requesters_left_keeps_its_value(kind: str) -> None:
     """Unchanged by abandoning threads on close: only the cache closing gives a thread up."""
     load = BlockedLoader("kept")
-    async with Broker(budget=100) as broker, broker.cache("p", Recorder()) as cache:
+    async with open_broker(kind, budget=100) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(TimeoutError):
             await cache.acquire("k", load=load, size=60, timeout=0.05)
         load.finish()
@@ -236,7 +240,7 @@ def test_abandoned_load_stays_charged_and_listed_until_its_release() -> None:
 
 
 @pytest.mark.anyio
-async def test_foreign_cancelled_error_in_loader_is_a_failed_load() -> None:
+async def test_foreign_cancelled_error_in_loader_is_a_failed_load(kind: str) -> None:
     calls: list[int] = []
 
     async def load() -> str:
@@ -248,7 +252,7 @@ async def test_foreign_cancelled_error_in_loader_is_a_failed_load() -> None:
 
     sibling = Sibling()
     reached_the_end = False
-    async with Broker(budget=100) as broker, anyio.create_task_group() as app:
+    async with open_broker(kind, budget=100) as broker, anyio.create_task_group() as app:
         app.start_soon(sibling)
         async with broker.cache("p", Recorder()) as cache:
             with pytest.raises(LoadFailed, match=r"loading p:'k' raised CancelledError") as info:
@@ -268,6 +272,7 @@ async def test_foreign_cancelled_error_in_loader_is_a_failed_load() -> None:
 
 @pytest.mark.anyio
 async def test_loader_awaiting_a_future_cancelled_elsewhere_fails_only_its_load(
+    kind: str,
     anyio_backend_name: str,
 ) -> None:
     if anyio_backend_name != "asyncio":
@@ -280,7 +285,7 @@ async def test_loader_awaiting_a_future_cancelled_elsewhere_fails_only_its_load(
         return result
 
     sibling = Sibling()
-    async with Broker(budget=100) as broker, anyio.create_task_group() as app:
+    async with open_broker(kind, budget=100) as broker, anyio.create_task_group() as app:
         app.start_soon(sibling)
         async with broker.cache("p", Recorder()) as cache:
             with pytest.raises(LoadFailed):
@@ -292,14 +297,14 @@ async def test_loader_awaiting_a_future_cancelled_elsewhere_fails_only_its_load(
 
 
 @pytest.mark.anyio
-async def test_foreign_cancelled_error_in_releaser_is_a_failed_release(events: Events) -> None:
+async def test_foreign_cancelled_error_in_releaser_is_a_failed_release(kind: str, events: Events) -> None:
     async def release(key: str, value: Any) -> None:
         await anyio.lowlevel.checkpoint()
         raise asyncio.CancelledError()  # a library's own, not the broker's
 
     sibling = Sibling()
     reached_the_end = False
-    async with Broker(budget=100) as broker, anyio.create_task_group() as app:
+    async with open_broker(kind, budget=100) as broker, anyio.create_task_group() as app:
         app.start_soon(sibling)
         async with broker.cache("p", release) as cache:
             async with cache.acquire("k", load=loader("v"), size=10):

@@ -47,6 +47,7 @@ from cachebroker import (
 )
 from cachebroker._core import check_after_every_step
 from cachebroker.probes import Probe
+from tests.brokers import open_broker
 
 pytestmark = pytest.mark.anyio
 
@@ -801,6 +802,7 @@ class Flaky(Tiered):
     fail_rate=st.sampled_from([0.0, 0.05, 0.2]),
 )
 async def test_chaos_keeps_pools_books_and_data_in_step(
+    kind: str,
     seed: int, measured: bool, policy: str, fail_rate: float
 ) -> None:
     """Acquires of random keys with random holds, one in five cancelled at a random
@@ -814,7 +816,7 @@ async def test_chaos_keeps_pools_books_and_data_in_step(
     plugin = Flaky(pools, patterns(sizes), rng)
     plugin.fail_rate = fail_rate
     failures: list[str] = []
-    async with Broker({"gpu": gpu, "ram": ram}, tiers={"gpu": "ram"}, policy=policy) as broker:
+    async with open_broker(kind, {"gpu": gpu, "ram": ram}, tiers={"gpu": "ram"}, policy=policy) as broker:
         check_after_every_step(broker._core, failures)
         for pool in pools.values():
             pool.booked = functools.partial(charged, broker, pool.name)
@@ -881,7 +883,7 @@ async def test_chaos_keeps_pools_books_and_data_in_step(
                 for name, pool in pools.items()
                 for buffer in pool.live
             }
-            assert states(broker) == held
+            assert states(broker) == held, (states(broker), held)
             assert dict(broker.stats_nowait().used) == {n: p.used for n, p in pools.items()}
         for pool in pools.values():
             pool.booked = None

@@ -624,6 +624,14 @@ class Link:
             if entry.state is State.RELEASING and self.told.get(entry) != "releasing":
                 self.asked[entry] = True
             runner.apply()
+        elif entry.state is State.READY and self.told.get(entry) == "idle":
+            # Refused: leased (or pinned) now, though the daemon last heard it idle. Said
+            # at once: the lease may end before the next batch, whose report would then
+            # say "idle" again, or nothing, and the daemon would wait for ever.
+            self.collect()
+            now = _report(entry)
+            self.told[entry] = now
+            self.outbox.append({"op": "report", "id": id, "state": now})
         # The answer is the entry's next report: releasing then gone, or held (refused).
         self.mark(entry)
 
@@ -667,7 +675,8 @@ class Link:
             raise ProtocolError(f"'move' message: to {wire.shown(to)}, charge {target!r}")
         entry = self.by_id.get(id)
         admission = self.admitting.get(id)
-        if entry is not None and admission is not None and entry.state is State.MOVING:
+        up = bool(message.get("up"))
+        if up and entry is not None and admission is not None and entry.state is State.MOVING:
             admission.space = to  # (the room this process's promotion waits for)
             admission.event.set()
             return

@@ -796,7 +796,7 @@ class Connection:
         if mirror.wants_back and not entry.promoting:
             # Its process asked for it back up (``promote``): it stays (and is promoted).
             raise _Refused(None, functools.partial(self.reconcile, mirror))
-        self._ask_move(mirror, to, entry.target)
+        self._ask_move(mirror, to, entry)
         while True:
             moved, state = mirror.moved, mirror.state
             if isinstance(moved, dict):
@@ -822,9 +822,14 @@ class Connection:
                 raise _Refused(holder, functools.partial(self.reconcile, mirror))
             await mirror.reported.wait()
 
-    def _ask_move(self, mirror: _Mirror, to: str, target: dict[str, int]) -> None:
+    def _ask_move(self, mirror: _Mirror, to: str, entry: Entry) -> None:
         mirror.moved = None  # (what the process answers to this ask)
-        self.post({"op": "move", "id": mirror.id, "to": to, "charge": dict(target)})
+        assert entry.target is not None
+        message: dict[str, Any] = {"op": "move", "id": mirror.id, "to": to}
+        message["charge"] = dict(entry.target)
+        if entry.promoting:  # (the grant of its ``promote``)
+            message["up"] = True
+        self.post(message)
 
     def evidence(self, message: dict[str, Any]) -> None:
         """Load ``id`` fit only after freeing in ``freed`` (free and retry): evidence that
@@ -915,8 +920,14 @@ class Connection:
         with scope:
             try:
                 await self.daemon.gate.wait()
-                while mirror.asking:  # (a release asked meanwhile is refused first)
-                    await mirror.reported.wait()
+                # A release decided meanwhile is refused first (the process wants the
+                # value back: ``_release``), so that this request finds it demoted.
+                entry = mirror.entry
+                while entry is not None and entry.state is State.RELEASING:
+                    released = entry.shell.released
+                    if released is None or released.is_set():
+                        break
+                    await released.wait()
                 held = tuple(other.entry for other in holding if other.entry is not None)
                 request = Request(
                     mirror.key, None, load=functools.partial(self._load, mirror), measure=_measured
