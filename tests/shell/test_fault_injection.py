@@ -1021,9 +1021,14 @@ async def _ok() -> str:
 
 
 @pytest.mark.anyio
-async def test_holder_whose_request_only_its_lease_or_forget_could_serve_is_refused(kind: str) -> None:
+async def test_holder_whose_request_only_its_lease_or_forget_could_serve_is_refused(
+    kind: str,
+) -> None:
     """Own lease 40 + quarantined 50 of 100: a request for 20 can never be granted."""
-    async with open_broker(kind, budget=100) as broker, broker.cache("p", _fail_releases_of_q) as cache:
+    async with (
+        open_broker(kind, budget=100) as broker,
+        broker.cache("p", _fail_releases_of_q) as cache,
+    ):
         await _released_with_failure(cache, "q", 50)
         await cache.invalidate("q")
         assert broker.stats_nowait().quarantined_keys == (("p", "q"),)
@@ -1039,7 +1044,10 @@ async def test_holder_whose_request_only_its_lease_or_forget_could_serve_is_refu
 @pytest.mark.anyio
 async def test_holder_left_waiting_by_a_failed_release_is_refused(kind: str) -> None:
     """The victim its request evicts fails to release: only its own lease is left to free."""
-    async with open_broker(kind, budget=100) as broker, broker.cache("p", _fail_releases_of_q) as cache:
+    async with (
+        open_broker(kind, budget=100) as broker,
+        broker.cache("p", _fail_releases_of_q) as cache,
+    ):
         await _released_with_failure(cache, "q", 50)
         async with cache.acquire("a", load=_ok, size=40):
             with anyio.fail_after(5), pytest.raises(DeadlockError, match="forget"):
@@ -1052,7 +1060,10 @@ async def test_holder_left_waiting_by_a_failed_release_is_refused(kind: str) -> 
 @pytest.mark.anyio
 async def test_other_requester_of_that_key_waits_on_and_is_served(kind: str) -> None:
     """Only the holder's own request is refused; another task's request for the key stays."""
-    async with open_broker(kind, budget=100) as broker, broker.cache("p", _fail_releases_of_q) as cache:
+    async with (
+        open_broker(kind, budget=100) as broker,
+        broker.cache("p", _fail_releases_of_q) as cache,
+    ):
         await _released_with_failure(cache, "q", 50)
         served = anyio.Event()
 
@@ -1076,7 +1087,10 @@ async def test_other_requester_of_that_key_waits_on_and_is_served(kind: str) -> 
 @pytest.mark.anyio
 async def test_task_that_dropped_its_lease_is_not_told_it_still_holds_it(kind: str) -> None:
     """Found by the machine: ``drop_lease(key='a', size=41, then=('b', 60))``."""
-    async with open_broker(kind, budget=100) as broker, broker.cache("p", _fail_releases_of_q) as cache:
+    async with (
+        open_broker(kind, budget=100) as broker,
+        broker.cache("p", _fail_releases_of_q) as cache,
+    ):
         lease = await cache.acquire("a", load=_ok, size=41)
         with pytest.warns(ResourceWarning, match="p:'a'"):
             del lease  # its last reference: collected at once

@@ -22,7 +22,10 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_async_with_ends_the_lease_as_release_does(kind: str) -> None:
-    async with open_broker(kind, budget=100, idle_ttl=60) as broker, broker.cache("p", Recorder()) as cache:
+    async with (
+        open_broker(kind, budget=100, idle_ttl=60) as broker,
+        broker.cache("p", Recorder()) as cache,
+    ):
         async with cache.acquire("a", load=loader("v"), size=10) as lease:
             assert isinstance(lease, Lease)
             assert lease.value == "v"

@@ -802,8 +802,7 @@ class Flaky(Tiered):
     fail_rate=st.sampled_from([0.0, 0.05, 0.2]),
 )
 async def test_chaos_keeps_pools_books_and_data_in_step(
-    kind: str,
-    seed: int, measured: bool, policy: str, fail_rate: float
+    kind: str, seed: int, measured: bool, policy: str, fail_rate: float
 ) -> None:
     """Acquires of random keys with random holds, one in five cancelled at a random
     step; invalidations and ``clear()`` among them; moves failing half-way (their
@@ -816,7 +815,9 @@ async def test_chaos_keeps_pools_books_and_data_in_step(
     plugin = Flaky(pools, patterns(sizes), rng)
     plugin.fail_rate = fail_rate
     failures: list[str] = []
-    async with open_broker(kind, {"gpu": gpu, "ram": ram}, tiers={"gpu": "ram"}, policy=policy) as broker:
+    async with open_broker(
+        kind, {"gpu": gpu, "ram": ram}, tiers={"gpu": "ram"}, policy=policy
+    ) as broker:
         check_after_every_step(broker._core, failures)
         for pool in pools.values():
             pool.booked = functools.partial(charged, broker, pool.name)

@@ -300,14 +300,22 @@ class Core(Books):
         schedule(self)
         return ticket
 
-    def leave(self, ticket: Ticket) -> None:
+    def leave(self, ticket: Ticket, refused: BaseException | None = None) -> None:
         """Withdraw a pending ticket (its task was cancelled or timed out).
 
         The last requester leaving a queued entry removes it; leaving a loading
         entry cancels its load. A ticket already granted is left as it is: its
         lease must be ended with ``lease_end``.
+
+        ``refused``: the ticket's task gets this error instead, while another
+        requester of the entry waits on (books above refused the request for
+        the first requester's leases: ``DeadlockError``).
         """
         entry = ticket.entry
+        if refused is not None:
+            if ticket.outcome is None and len(entry.joiners) > 1:
+                _transitions.refuse(self, ticket, refused)
+            return
         if ticket.outcome is None and _transitions.withdraw(self, ticket):
             schedule(self)
         going = entry.state is State.LOADING or (entry.state is State.MOVING and entry.promoting)

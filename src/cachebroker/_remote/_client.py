@@ -303,6 +303,7 @@ class Link:
                 continue  # not granted yet: nothing the daemon needs
             now = _report(entry, entry in core.overdue)
             moved = seam.moves.pop(entry, None) if seam.moves else None
+            touched = seam.touched.pop(entry, 0) is None if seam.touched else False
             if now == "moving":
                 now = told  # (the daemon asked for the move: "moved" says how it ended)
             # A changed priority goes with the entry's next report, or alone when
@@ -310,14 +311,21 @@ class Link:
             # and one on its way out needs none (a refused release reports "held").
             priority = None if now in _QUIET_PRIORITY else self._new_priority(entry)
             if now == told:
-                if priority is not None:
-                    self.outbox.append(self._report_priority(entry, now, priority))
+                if priority is not None or (touched and now == "idle"):
+                    # (a lease taken and ended since the last batch: its request, which
+                    # the daemon's policy counts, goes with the state as last told)
+                    message = self._report_priority(entry, now, priority)
+                    if touched and now == "idle":
+                        message["touched"] = True
+                    self.outbox.append(message)
                 if moved is not None:
                     self.outbox.append({"op": "moved", "id": self.ids[entry], "charge": moved})
                 continue
             message: dict[str, Any] = {"op": "report", "id": self.ids[entry], "state": now}
             if priority is not None:
                 message["priority"] = priority
+            if touched and now == "idle":
+                message["touched"] = True
             if told == "loading":
                 charge = seam.charges.pop(entry, None)
                 if charge is None and moved is not None:
@@ -359,9 +367,12 @@ class Link:
         self.priorities[entry] = priority
         return priority
 
-    def _report_priority(self, entry: Entry, state: str, priority: int) -> dict[str, Any]:
+    def _report_priority(self, entry: Entry, state: str, priority: int | None) -> dict[str, Any]:
         """A report that changes only ``entry``'s priority: its state is as last told."""
-        return {"op": "report", "id": self.ids[entry], "state": state, "priority": priority}
+        message: dict[str, Any] = {"op": "report", "id": self.ids[entry], "state": state}
+        if priority is not None:
+            message["priority"] = priority
+        return message
 
     async def writer(self) -> None:
         """Send each batch: the reports of what changed, then the messages posted.

@@ -32,6 +32,7 @@ class ClientSeam:
         "offer",
         "offered",
         "reasons",
+        "touched",
         "withdraw",
     )
 
@@ -50,6 +51,9 @@ class ClientSeam:
         self.books: Core | None = None
         #: The measured charge of each loaded entry, until the daemon was told it.
         self.charges: dict[Entry, dict[str, int]] = {}
+        #: Entries leased since the daemon was last told of them: a lease taken and
+        #: ended between two batches is still a request its policy counts (``touched``).
+        self.touched: dict[Entry, None] = {}
         #: The charge of each entry whose move ended, until the daemon was told it.
         self.moves: dict[Entry, dict[str, int]] = {}
         #: Why each releasing entry is released.
@@ -88,6 +92,7 @@ class ClientSeam:
 
     def leased(self, entry: Entry) -> None:
         if entry.leases == 1:
+            self.touched[entry] = None
             self.mark(entry)
 
     def ended(self, entry: Entry) -> None:
@@ -125,6 +130,8 @@ class ClientSeam:
     def gone(self, entry: Entry) -> None:
         self.mark(entry)
         self._unwant(entry)
+        if self.touched:
+            self.touched.pop(entry, None)
 
     def _unwant(self, entry: Entry) -> None:
         if self.due:

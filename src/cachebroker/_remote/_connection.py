@@ -139,6 +139,7 @@ class _Mirror:
         "settled",
         "space",
         "state",
+        "touched",
         "wants_back",
     )
 
@@ -177,6 +178,8 @@ class _Mirror:
         #: meanwhile is refused: the process wants the value back).
         self.promoting: anyio.CancelScope | None = None
         self.wants_back = False
+        #: Whether the process leased it (and ended the lease) since its last report.
+        self.touched = False
         #: Where an entry the process holds demoted was loaded (``adopt``, or the
         #: outcome of a move under way when it was adopted): parked once booked.
         self.home: dict[str, int] | None = None
@@ -633,7 +636,24 @@ class Connection:
             mirror.reason = _REASONS.get(str(message["reason"]), Reason.CAPACITY)
         if state in ("quarantined", "overdue"):
             mirror.error = str(message.get("error", ""))
+        if message.get("touched") and state == "idle":
+            mirror.touched = True
         self.reconcile(mirror)
+
+    def _touch(self, mirror: _Mirror) -> None:
+        """The process leased the idle entry and ended the lease between two reports: a
+        request all the same, which the daemon's policy counts (its recency, its count)."""
+        entry = mirror.entry
+        if entry is None or entry.state is not State.READY:
+            return  # (once it is booked: ``_loaded`` reconciles again)
+        mirror.touched = False
+        if entry.leases or entry.pinned:
+            return
+        core = self.runner.core
+        core.hit(entry, self.holder)
+        core.lease_end(entry, self.holder, self.runner.clock())
+        self.runner.apply()
+        self.runner.note_idle(entry)
 
     def _reprioritize(self, mirror: _Mirror, priority: int) -> None:
         """Evict ``mirror``'s entry by the priority a later acquire there gave it.
@@ -695,6 +715,8 @@ class Connection:
                 self._ask_release(mirror)
             if state == "gone" and entry.state is State.GONE:
                 self.mirrors.pop(mirror.id, None)
+            if mirror.touched:
+                self._touch(mirror)
         self.runner.apply()
         self._wake(mirror)
 

@@ -23,7 +23,7 @@ import anyio.to_thread
 
 from .. import _log_events as ev
 from .._core import Entry, Owner, Reason
-from .._errors import BrokerClosed, LoadFailed, OutOfSpace, ReleaseFailed
+from .._errors import BrokerClosed, DeadlockError, LoadFailed, OutOfSpace, ReleaseFailed
 from ._actor import Block
 from ._backend import Fault, classify
 from ._releases import Releases
@@ -103,16 +103,19 @@ class Loads:
             slot.scope = scope
             if slot.cancelled:
                 scope.cancel()
-            try:
-                refused = await self._remote.admit(entry)
-            except BaseException as exc:
-                if self._failed(entry, exc):
-                    raise
-                return
-            if refused is not None:
-                steps.core.load_failed(entry, refused, cancelled=True)
-                steps.apply()
-                return
+            while True:
+                try:
+                    refused = await self._remote.admit(entry)
+                except BaseException as exc:
+                    if self._failed(entry, exc):
+                        raise
+                    return
+                if refused is None:
+                    break
+                if not self._ask_again(entry, refused):
+                    steps.core.load_failed(entry, refused, cancelled=True)
+                    steps.apply()
+                    return
             if self._remote.admits_elsewhere:
                 self._granted(entry)
             if slot.placed:  # the loader learns where (once granted), by the name it gave
@@ -192,6 +195,20 @@ class Loads:
             steps.core.load_failed(entry, error)
         steps.apply()
         return fault is not Fault.FAILED
+
+    def _ask_again(self, entry: Entry, refused: BaseException) -> bool:
+        """Whether ``entry``'s load asks the other broker again after ``refused``.
+
+        A ``DeadlockError`` refused the request for its first requester's own
+        leases (``Link.request`` names them): as in one process, only that
+        task gets the error, and the load is asked for again for the others.
+        """
+        if not isinstance(refused, DeadlockError) or len(entry.joiners) < 2:
+            return False
+        self._steps.core.leave(entry.joiners[0], refused)
+        self._steps.apply()
+        self._remote.load_started(entry)
+        return True
 
     # ------------------------------------------------------- free and retry
 
