@@ -314,10 +314,10 @@ class Link:
                 if priority is not None or (touched and now == "idle"):
                     # (a lease taken and ended since the last batch: its request, which
                     # the daemon's policy counts, goes with the state as last told)
-                    message = self._report_priority(entry, now, priority)
+                    alone = self._report_priority(entry, now, priority)
                     if touched and now == "idle":
-                        message["touched"] = True
-                    self.outbox.append(message)
+                        alone["touched"] = True
+                    self.outbox.append(alone)
                 if moved is not None:
                     self.outbox.append({"op": "moved", "id": self.ids[entry], "charge": moved})
                 continue

@@ -944,9 +944,9 @@ class Connection:
                 await self.daemon.gate.wait()
                 # A release decided meanwhile is refused first (the process wants the
                 # value back: ``_release``), so that this request finds it demoted.
-                entry = mirror.entry
-                while entry is not None and entry.state is State.RELEASING:
-                    released = entry.shell.released
+                current = mirror.entry
+                while current is not None and current.state is State.RELEASING:
+                    released = current.shell.released
                     if released is None or released.is_set():
                         break
                     await released.wait()
