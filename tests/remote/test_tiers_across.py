@@ -22,9 +22,10 @@ import anyio.lowlevel
 import pytest
 
 from cachebroker import AcquireTimeout, Broker
+from cachebroker._remote._daemon import Daemon
 from cachebroker._remote._ps import render
 from tests.remote.support import serving
-from tests.remote.test_reconnect import daemons, link_of, listed, until, value
+from tests.remote.test_reconnect import Daemons, daemons, link_of, listed, until, value
 
 pytestmark = pytest.mark.anyio
 
@@ -132,6 +133,17 @@ async def test_a_value_leased_again_before_its_move_is_asked_stays_and_is_not_mo
 SWAP = {"gpu": 100, "ram": 150}  # room in ram for both: a promotion swaps a and b
 
 
+async def restarted(run: Daemons, broker: Broker, listing: list[Any]) -> Daemon:
+    """Stop the daemon and start another (with ``SWAP`` and ``TIERS``); wait until
+    ``broker`` has registered with it and its books list ``listing``."""
+    await run.stop()
+    await until(lambda: not link_of(broker).online)
+    second = await run.start(SWAP, tiers=TIERS)
+    await until(lambda: link_of(broker).online and listed(second) == listing)
+    second.runner.core.check()
+    return second
+
+
 async def test_a_restarted_daemon_books_a_demoted_value_demoted_and_brings_it_back(
     address: str,
 ) -> None:
@@ -142,17 +154,9 @@ async def test_a_restarted_daemon_books_a_demoted_value_demoted_and_brings_it_ba
             await use(c1, "a")
             await use(c1, "b")
             assert ("'a'", "demoted", 0, {"ram": 60}) in listed(first)
-            await run.stop()
-            await until(lambda: not link_of(one).online)
-            second = await run.start(SWAP, tiers=TIERS)
-            await until(
-                lambda: (
-                    link_of(one).online
-                    and listed(second)
-                    == [("'a'", "demoted", 0, {"ram": 60}), ("'b'", "ready", 0, {"gpu": 60})]
-                )
+            second = await restarted(
+                run, one, [("'a'", "demoted", 0, {"ram": 60}), ("'b'", "ready", 0, {"gpu": 60})]
             )
-            second.runner.core.check()
             assert await use(c1, "a") == "a@gpu"  # its home, as the daemon before knew it
             assert mover.moves == [("a", "ram"), ("b", "ram"), ("a", "gpu")]
             await until(
@@ -181,20 +185,12 @@ async def test_a_move_under_way_over_a_restart_is_charged_in_both_spaces_until_i
 
                 tg.start_soon(b)
                 await mover.started.wait()  # a's move down runs, held by the gate
-                await run.stop()
-                await until(lambda: not link_of(one).online)
-                second = await run.start(SWAP, tiers=TIERS)
                 # The move's two charges: nobody is granted room it may still hold
                 # (b's request, asked again, waits for a's).
-                await until(
-                    lambda: (
-                        link_of(one).online
-                        and listed(second)
-                        == [
-                            ("'a'", "loading", 0, {"gpu": 60, "ram": 60}),
-                            ("'b'", "waiting", 0, {}),
-                        ]
-                    )
+                second = await restarted(
+                    run,
+                    one,
+                    [("'a'", "loading", 0, {"gpu": 60, "ram": 60}), ("'b'", "waiting", 0, {})],
                 )
                 assert second.runner.core.spaces["gpu"].used == 60
                 mover.gate.set()
@@ -228,17 +224,9 @@ async def test_a_promotion_waiting_for_room_over_a_restart_is_asked_for_again(
 
                 tg.start_soon(a)
                 await until(lambda: one.stats_nowait().waiting == 1)  # b is leased
-                await run.stop()
-                await until(lambda: not link_of(one).online)
-                second = await run.start(SWAP, tiers=TIERS)
-                await until(
-                    lambda: (
-                        link_of(one).online
-                        and listed(second)
-                        == [("'a'", "demoted", 0, {"ram": 60}), ("'b'", "ready", 1, {"gpu": 60})]
-                    )
+                second = await restarted(
+                    run, one, [("'a'", "demoted", 0, {"ram": 60}), ("'b'", "ready", 1, {"gpu": 60})]
                 )
-                second.runner.core.check()
                 await holder.release()
             assert got == ["a@gpu"]
             assert mover.moves == [("a", "ram"), ("b", "ram"), ("a", "gpu")]
