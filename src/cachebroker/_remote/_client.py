@@ -305,7 +305,9 @@ class Link:
             moved = seam.moves.pop(entry, None) if seam.moves else None
             touched = seam.touched.pop(entry, 0) is None if seam.touched else False
             if now == "moving":
-                now = told  # (the daemon asked for the move: "moved" says how it ended)
+                # (the daemon asked for the move: "moved" says how it ended; one that
+                # ended demoted, its promotion already asked for, is demoted there)
+                now = "demoted" if moved is not None and entry.home is not None else told
             # A changed priority goes with the entry's next report, or alone when
             # its state is as told; a loading one's goes with the load's outcome,
             # and one on its way out needs none (a refused release reports "held").

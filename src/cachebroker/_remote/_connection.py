@@ -787,7 +787,8 @@ class Connection:
                 if state in _HOLDING:
                     mirror.held, mirror.holder = True, self.holder
                     raise _Refused(self.holder, functools.partial(self._hold, mirror))
-                if mirror.wants_back and state == "demoted":
+                entry = mirror.entry
+                if mirror.wants_back and entry is not None and entry.home is not None:
                     # Its process asked for it back up (``promote``): it keeps it (a
                     # release asked there meanwhile finds it moving), and the
                     # promotion goes on.
