@@ -17,7 +17,8 @@ import anyio.abc
 import anyio.lowlevel
 
 from cachebroker import Broker
-from cachebroker._remote._client import Link, LinkAdmission
+from cachebroker._remote._admission import LinkAdmission
+from cachebroker._remote._client import Link
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 from tests.helpers import socket_path
 

@@ -35,7 +35,7 @@ from cachebroker import Broker, BrokerClosed, format_bytes
 from cachebroker._core import Reason
 from cachebroker._remote import _client
 from cachebroker._remote import _protocol as wire
-from cachebroker._remote._client import LinkAdmission
+from cachebroker._remote._admission import LinkAdmission
 from cachebroker._remote._daemon import Daemon
 from tests.helpers import loader, wait_until
 from tests.remote.processes import (

@@ -22,7 +22,8 @@ import anyio.lowlevel
 import pytest
 
 from cachebroker import AcquireTimeout, Broker, BrokerClosed, InvalidArgument
-from cachebroker._remote._client import Link, LinkAdmission
+from cachebroker._remote._admission import LinkAdmission
+from cachebroker._remote._client import Link
 from cachebroker._remote._daemon import Daemon, DaemonBroker
 from tests.remote.support import Plugin, used
 

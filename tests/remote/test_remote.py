@@ -34,7 +34,7 @@ from cachebroker import (
 )
 from cachebroker._core import FAIR_REQUESTS, Reason
 from cachebroker._remote import _protocol as wire
-from cachebroker._remote._client import LinkAdmission
+from cachebroker._remote._admission import LinkAdmission
 from cachebroker._remote._connection import Connection
 from cachebroker._remote._daemon import Daemon
 from cachebroker.probes import Probe

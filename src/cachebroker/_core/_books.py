@@ -13,7 +13,17 @@ from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 from .._errors import BrokerClosed, InvalidArgument, ReleaseFailed
-from . import _aliases, _departures, _invariants, _reach, _refusals, _requests, _tiers, _transitions
+from . import (
+    _above,
+    _aliases,
+    _departures,
+    _invariants,
+    _reach,
+    _refusals,
+    _requests,
+    _tiers,
+    _transitions,
+)
 from ._effects import CancelLoad, Quarantined
 from ._model import Entry, Owner, Reason, Request, State, Ticket, _naming, _shrink_if_empty, sync
 from ._scheduler import schedule
@@ -503,17 +513,15 @@ class Core(Books):
         """The move raised or timed out: quarantined, charged where it was and where it went.
 
         Nobody knows which of the two holds the value now, so both charges
-        stay until ``forget``; its requesters get ``error``. ``ran=False``:
-        the move never began (books above refused it, or its wait for them
-        was cancelled): the value is where it was, and so is the entry;
-        only its requesters get ``error``.
+        stay until ``forget``; its requesters get ``error``. ``ran=False``: it
+        never began (books above refused it): the entry stays where it was.
         """
         if entry.state is not State.MOVING or entry in self.demoting:
             return
         if ran:
             _transitions.move_failed(self, entry, error)
         else:
-            _transitions.unmove(self, entry, None, error)
+            _above.unmove(self, entry, None, error)
         schedule(self)
 
     def load_abandoned(self, entry: Entry) -> None:
@@ -806,91 +814,34 @@ class Core(Books):
         is leased or pinned, so the release is refused; ``True`` when its
         release started or is already under way (or over).
 
-        ``to``: move it instead, to be charged so (a tier down, as the books
-        above decided and made room for): only an idle entry, ready or
-        demoted, moves; ``False`` for any other (the move is refused).
+        ``to``: move it instead, to be charged so (a tier down, its room made
+        above); only an idle entry moves, else ``False`` (refused).
         """
-        _transitions.settle(self)
-        if to is not None:
-            idle = entry.state in (State.READY, State.DEMOTED) and entry not in self.queue
-            if not idle or entry.leases or entry.pinned or entry.doomed is not None:
-                return False
-            _transitions.start_move(self, entry, to)
-            return True
-        if entry.state is State.DEMOTED and entry not in self.queue:
-            _transitions.start_release(self, entry, reason)
-            schedule(self)
-            return True
-        if entry.state is State.READY:
-            if entry.leases or entry.pinned:
-                seam = self.seam
-                if seam is not None and seam.lets_go(entry) and not entry.pinned:
-                    # Offered idle, leased again before the release asked for
-                    # then arrived: it goes when its last lease ends.
-                    self.let_go(entry, reason)
-                return False
-            _transitions.start_release(self, entry, reason)
-            schedule(self)
-        return entry.state is not State.LOADING
+        return _above.give_up(self, entry, reason, to)
 
     def release_refused(self, entry: Entry, holder: object) -> None:
         """The owner refused the release: it had leased ``entry`` again meanwhile.
 
         For books whose owners live in other processes, where a lease taken
         there reaches these books only after the release was asked for. The
-        entry is ready again, leased by ``holder``; the requests its bytes
-        were meant for look for other room. A move asked of the owner (a
-        demotion, or a promotion nobody there waits for any more) is called
-        off the same way: the entry stays where it was (``holder`` ``None``:
-        idle there).
+        entry is ready again, leased by ``holder`` (``None``: idle); the requests
+        its bytes were meant for look for other room. A move asked of the owner
+        is called off the same way: the entry stays where it was.
         """
-        if entry.state is State.MOVING and entry not in self.demoting:
-            # A move asked of the owner, refused (``None``: the owner lets it go
-            # on its own, or no longer has it as it was): called off.
-            _transitions.unmove(self, entry, holder, BrokerClosed("the move was refused"))
-            schedule(self)
-            return
-        if entry.state is not State.RELEASING:
-            if self.overdue.end(entry):  # refused after its timeout: it stays quarantined
-                _transitions.strand(self)
-                schedule(self)
-            return
-        for name, amount in entry.charge.items():
-            self.spaces[name].releasing -= amount
-        if entry.home is not None or holder is None:
-            # Demoted (its owner brings it back up), or refused by an owner that
-            # keeps it idle: an eviction candidate again.
-            entry.state = State.READY if entry.home is None else State.DEMOTED
-            _transitions.rest(self, entry, entry.idle_since)
-        else:
-            entry.state = State.READY
-            entry.leases += 1
-            entry.holders.append(holder)
-            self.busy[entry] = None
-        sync(entry)
-        schedule(self)
+        _above.release_refused(self, entry, holder)
 
     def park(self, entry: Entry, home: dict[str, int]) -> None:
         """Books above these ones took on ``entry`` (``adopt``) as its owner holds it:
         demoted, its home ``home``; an acquire brings it back up there. Ignored
         unless it is ready and idle."""
-        if entry.state is State.READY and not entry.leases and not entry.pinned:
-            if self.canon:
-                home = canonical(self.canon, home)
-            _transitions.park(self, entry, home)
-            schedule(self)
+        _above.park(self, entry, home)
 
     def let_go(self, entry: Entry, reason: Reason) -> None:
         """The owner releases ``entry`` on its own (from another process).
 
         Now, or when its last lease (or its move between tiers) ends.
         """
-        if entry.state is State.READY and entry.doomed is None:
-            _transitions.doom(self, entry, reason)
-            schedule(self)
-        elif entry.state in (State.DEMOTED, State.MOVING) and entry.doomed is None:
-            _transitions.doom_parked(self, entry, reason)  # (moving: once its move ends)
-            schedule(self)
+        _above.let_go(self, entry, reason)
 
     def drop_owner(self, owner: Owner) -> None:
         """``owner``'s process is gone, and its memory with it: its entries leave the books at once.
@@ -912,8 +863,7 @@ class Core(Books):
         return _aliases.note_alias_evidence(self, freed, loaded, threshold, self.merge_spaces)
 
     def merged_circle(self, keep: str, other: str) -> tuple[str, ...] | None:
-        """The circle the tiers would go round with ``keep`` and ``other`` one memory
-        (``merge_spaces`` refuses it), if any."""
+        """The tiers' circle with ``keep`` and ``other`` one memory, if any (refused)."""
         return _aliases.merged_circle(self, keep, other)
 
     def merge_spaces(self, keep: str, other: str) -> None:
@@ -923,17 +873,8 @@ class Core(Books):
 
     def place(self, entry: Entry, space: str) -> None:
         """Books above these ones (a shared broker) chose ``space`` among ``entry``'s
-        places for its load: its reservation moves there before the load runs."""
-        name = self.canon.get(space, space)
-        if entry.state is State.MOVING and entry.promoting and entry.target is not None:
-            # A promotion not begun: the books above brought it back elsewhere.
-            if name not in entry.target:
-                _transitions.retarget(self, entry, {name: sum(entry.target.values())})
-            return
-        if entry.state is not State.LOADING or entry.places is None or name in entry.charge:
-            return
-        _transitions.recharge(self, entry, {name: sum(entry.charge.values())})
-        entry.need = dict(entry.charge)
+        places for its load (or its promotion): its reservation moves there first."""
+        _above.place(self, entry, space)
 
     def owner_space(self, entry: Entry, space: str) -> str:
         """``space`` by the name ``entry``'s owner gave it (``_tiers.owner_space``)."""

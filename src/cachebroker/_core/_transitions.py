@@ -14,8 +14,8 @@ The life of an entry, by function:
   ``join`` (a ticket waits on it), ``count_request``, ``prepare_priority``;
 - granted: ``grant`` (a load, or ``start_promotion`` of a demoted value);
 - loaded or moved: ``set_charge``, ``recharge`` (measured), ``remember_load``,
-  ``moved``, ``move_failed``; moved as books above decide: ``start_move``,
-  ``retarget``, ``unmove`` (called off), ``park`` (demoted there already);
+  ``moved``, ``move_failed``; moved as books above decide: ``_above`` (``start_move``,
+  ``retarget``, ``unmove``, ``park``);
 - leased: ``wait_for_slot``, ``grant_slots``, ``lease_joiners``, ``unbind``;
 - idle: ``rest`` (or straight to release), ``settle``, ``unidle``, ``leave_idle``;
 - released: ``start_release``, ``doom``, ``drain_leased``, ``doom_parked``,
@@ -65,10 +65,6 @@ from ._tiers import (
 __all__ = [
     "move_failed",
     "moved",
-    "park",
-    "retarget",
-    "start_move",
-    "unmove",
     "admit_weightless",
     "cancel_demotion",
     "check_empty",
@@ -731,78 +727,6 @@ def queue_promotion(books: Books, entry: Entry, need: dict[str, int] | None) -> 
     entry.need = dict(need)
     entry.holding = 0  # (its requesters of an earlier promotion are all served)
     enqueue(books, entry)
-
-
-def start_move(books: Books, entry: Entry, target: dict[str, int]) -> None:
-    """Move an idle ``entry`` to be charged as ``target``, as books above decided.
-
-    For the books of a process under a shared broker, whose spaces never run
-    short: the shared books chose the move (a demotion) and reserved its
-    room, so it starts now, charged in both spaces until it ends.
-    """
-    leave_idle(books, entry)
-    entry.state = State.MOVING
-    entry.promoting = False
-    entry.target = dict(target)
-    for name, amount in reserved(entry).items():
-        books.spaces[name].used += amount
-    for name, amount in freed(entry).items():
-        books.spaces[name].releasing += amount
-    sync(entry)
-    books.effects.append(StartMove(entry, owner_space(books, entry, destination(entry))))
-
-
-def retarget(books: Books, entry: Entry, target: dict[str, int]) -> None:
-    """A move not begun goes to ``target`` instead (books above placed it elsewhere)."""
-    for name, amount in reserved(entry).items():
-        books.spaces[name].used -= amount
-    for name, amount in freed(entry).items():
-        books.spaces[name].releasing -= amount
-    entry.target = dict(target)
-    for name, amount in reserved(entry).items():
-        books.spaces[name].used += amount
-    for name, amount in freed(entry).items():
-        books.spaces[name].releasing += amount
-
-
-def unmove(books: Books, entry: Entry, holder: object, error: BaseException) -> None:
-    """A move that never ran is called off: ``entry`` stays where its value is.
-
-    Its room is given back; it is ready (or, parked a tier down already,
-    demoted) again: leased by ``holder`` when the owner leased it meanwhile
-    (not ``None``), else idle. Requesters that joined the move get ``error``.
-    """
-    for name, amount in reserved(entry).items():
-        books.spaces[name].used -= amount
-    for name, amount in freed(entry).items():
-        books.spaces[name].releasing -= amount
-    entry.target = None
-    entry.promoting = False
-    entry.state = State.READY if entry.home is None else State.DEMOTED
-    if entry.joiners:
-        fail_joiners(books, entry, _naming(error, entry))
-    if holder is not None and entry.state is State.READY:
-        entry.leases += 1
-        entry.holders.append(holder)
-        books.busy[entry] = None
-    else:
-        rest(books, entry, entry.idle_since)
-    sync(entry)
-
-
-def park(books: Books, entry: Entry, home: dict[str, int]) -> None:
-    """An idle ready entry is demoted already, its home ``home`` (as its owner says)."""
-    leave_idle(books, entry)
-    if books.on_remove is not None:
-        books.on_remove(entry)
-    entry.home = dict(home)
-    part(entry)
-    entry.cost = parked_cost(entry)
-    entry.state = State.DEMOTED
-    if books.on_admit is not None:
-        books.on_admit(entry)
-    rest(books, entry, entry.idle_since)
-    sync(entry)
 
 
 def start_promotion(books: Books, entry: Entry) -> None:

@@ -43,8 +43,9 @@ from .._core import Entry, State
 from .._errors import InvalidArgument, LeasesOutstanding, LoadFailed
 from .._shell._actor import Block
 from . import _protocol as wire
-from ._connection import Connection, _Key, _measured
+from ._connection import Connection
 from ._daemon_books import DaemonBroker, DaemonReleases, plug_daemon
+from ._mirrors import _Key, _measured
 from ._protocol import ProtocolError
 from ._sockets import connect, listen
 

@@ -262,7 +262,8 @@ class Broker:
            ``reconnect`` and its settings; ``oom_retries``, ``sizes``, ``clock``,
            ``blocking_warning``.
         """
-        from .._remote._client import Reconnect, connected_runner  # (only when asked for)
+        from .._remote._admission import connected_runner  # (only when asked for)
+        from .._remote._client import Reconnect
 
         if not isinstance(reconnect, bool):
             raise TypeError(f"reconnect must be True or False, got {reconnect!r}")

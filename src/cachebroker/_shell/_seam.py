@@ -2,7 +2,7 @@
 
 A broker in one process answers to nobody: its books grant, its releases
 end here, its holders are its tasks (``Local``). A broker connected to the
-machine's shared one (``_remote._client.LinkAdmission``) runs on the
+machine's shared one (``_remote._admission.LinkAdmission``) runs on the
 daemon's books and settings, and each load it grants waits for the daemon's
 grant; the daemon's own broker (``_remote._daemon.DaemonReleases``) releases
 entries in other processes, which may refuse, fail, or overrun there, and
