@@ -92,8 +92,10 @@ class Counts:
                 self.messages["sent " + message["op"]] += 1
             await send(stream, *messages)
 
-        async def counted_receive(reader: BufferedByteReceiveStream) -> dict[str, Any]:
-            message = await receive(reader)
+        async def counted_receive(
+            reader: BufferedByteReceiveStream, limit: int = wire.MAX_FRAME
+        ) -> dict[str, Any]:
+            message = await receive(reader, limit)
             self.messages["received " + message["op"]] += 1
             return message
 
