@@ -46,7 +46,7 @@ from cachebroker import (
 from cachebroker._core import check_after_every_step
 from cachebroker.sizes import measured
 from tests.brokers import daemon_of, open_broker
-from tests.helpers import steps_until
+from tests.helpers import steps_until, wait_until
 
 BUDGET = {"gpu": 100, "ram": 100}
 TIERS = {"gpu": "ram"}
@@ -735,7 +735,8 @@ async def test_a_move_returning_after_its_timeout_has_its_value_released(kind: s
         mover.gate = anyio.Event()
         with pytest.raises(OutOfSpace):  # a timed out: quarantined, b can never fit
             await use(cache, "b")
-        assert states(broker)["a"][0] == "quarantined"
+        # (connected, the daemon's watchdog may fire a moment before the process's own)
+        await wait_until(lambda: states(broker)["a"][0] == "quarantined")
         mover.gate.set()  # the move ends late, its value at ram
         assert await steps_until(lambda: ("a", "a@ram") in mover.releases())
 

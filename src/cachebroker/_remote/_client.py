@@ -300,7 +300,7 @@ class Link:
                 continue  # not granted yet: nothing the daemon needs
             now = _report(entry, entry in core.overdue)
             moved = seam.moves.pop(entry, None) if seam.moves else None
-            touched = seam.touched.pop(entry, 0) is None if seam.touched else False
+            touched = seam.untouch(entry)
             if now == "moving":
                 # (the daemon asked for the move: "moved" says how it ended; one that
                 # ended demoted, its promotion already asked for, is demoted there)

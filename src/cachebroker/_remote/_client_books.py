@@ -85,6 +85,13 @@ class ClientSeam:
         ):
             self.due[entry] = self.books.tick + FAIR_REQUESTS
 
+    def untouch(self, entry: Entry) -> bool:
+        """Whether ``entry`` was leased since the daemon was last told of it (then forgotten)."""
+        if not self.touched or entry not in self.touched:
+            return False
+        del self.touched[entry]
+        return True
+
     # The seam's announcements.
 
     def changed(self, entry: Entry) -> None:
