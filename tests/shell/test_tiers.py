@@ -491,6 +491,31 @@ async def test_an_acquire_during_a_demotion_waiting_for_room_takes_it_back_at_on
         check(broker)
 
 
+@pytest.mark.anyio
+async def test_a_promotion_refused_for_one_task_s_own_lease_still_serves_another(
+    kind: str,
+) -> None:
+    """Only the lease holder's request is refused (its own lease fills the room); another
+    task's request for the same demoted key waits, and is served once that lease ends."""
+    mover = Mover()
+    async with open_broker(kind, BUDGET, tiers=TIERS) as broker, broker.cache("m", mover) as cache:
+        await demoted(broker, cache)  # a in ram, b in gpu
+        served: list[Any] = []
+
+        async def other() -> None:
+            served.append(await use(cache, "a"))
+
+        with anyio.fail_after(5):  # (a hang guard, not a timing)
+            async with anyio.create_task_group() as tg:
+                async with cache.acquire("b", load=loader("b"), size=GPU60, cost=10.0):
+                    tg.start_soon(other)
+                    with pytest.raises(DeadlockError):
+                        await use(cache, "a")
+                    assert served == []
+        assert served == ["a@gpu"]
+        check(broker)
+
+
 @pytest.mark.parametrize("how", ["cancelled", "timed out"])
 @pytest.mark.anyio
 async def test_the_last_requester_of_a_queued_promotion_leaving_leaves_it_demoted(

@@ -22,7 +22,7 @@ import anyio
 from .. import _log_events as ev
 from .._core import Entry, Owner, Reason, State
 from .._core._tiers import destination, freed
-from .._errors import BrokerClosed, ReleaseFailed
+from .._errors import BrokerClosed, DeadlockError, ReleaseFailed
 from .._stats import EvictionReport
 from ._actor import Block
 from ._backend import Fault, classify, task_name
@@ -333,14 +333,21 @@ class Releases:
         value stays a tier down, and its requesters get the error.
         """
         core = self._steps.core
-        try:
-            error = await self._remote.admit_move(entry)
-        except BaseException as exc:
-            core.move_failed(entry, BrokerClosed("the move up was cancelled"), ran=False)
+        while True:
+            try:
+                error = await self._remote.admit_move(entry)
+            except BaseException as exc:
+                core.move_failed(entry, BrokerClosed("the move up was cancelled"), ran=False)
+                self._steps.apply()
+                if classify(exc) is Fault.FAILED:
+                    return False
+                raise
+            if not isinstance(error, DeadlockError) or len(entry.joiners) < 2:
+                break
+            # Refused for its first requester's own leases: as in one process, only
+            # that task gets the error; asked again for the others.
+            core.leave(entry.joiners[0], error)
             self._steps.apply()
-            if classify(exc) is Fault.FAILED:
-                return False
-            raise
         if error is not None:
             core.move_failed(entry, error, ran=False)
             self._steps.apply()
