@@ -11,17 +11,18 @@ shell-level tier tests run on both kinds of broker in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import AsyncIterator, Hashable
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.lowlevel
 import pytest
 
-from cachebroker import AcquireTimeout, Broker
+from cachebroker import AcquireTimeout, Broker, Cache
 from cachebroker._remote._daemon import Daemon
 from cachebroker._remote._ps import render
 from tests.remote.support import serving
@@ -59,73 +60,84 @@ class Releaser:
         pass
 
 
+class Two(NamedTuple):
+    """Two processes of one daemon: ``one`` with a moving cache ``w`` (``mover``), and
+    ``two`` with a cache ``v`` whose releaser cannot move."""
+
+    daemon: Daemon
+    mover: Mover
+    one: Broker
+    c1: Cache
+    two: Broker
+    c2: Cache
+
+
+@contextlib.asynccontextmanager
+async def two_processes(budget: dict[str, int]) -> AsyncIterator[Two]:
+    async with serving(budget=budget, tiers=TIERS) as daemon:
+        mover = Mover()
+        async with (
+            Broker.connect(daemon.address) as one,
+            one.cache("w", mover) as c1,
+            Broker.connect(daemon.address) as two,
+            two.cache("v", Releaser()) as c2,
+        ):
+            yield Two(daemon, mover, one, c1, two, c2)
+
+
 async def use(cache: Any, key: str, size: int = 60, **kw: Any) -> Any:
     async with cache.acquire(key, load=value(f"{key}@gpu"), size={"gpu": size}, **kw) as lease:
         return lease.value
 
 
 async def test_another_process_s_room_demotes_an_idle_value_and_an_acquire_brings_it_back() -> None:
-    async with serving(budget=BUDGET, tiers=TIERS) as daemon:
-        mover = Mover()
-        async with (
-            Broker.connect(daemon.address) as one,
-            one.cache("w", mover) as c1,
-            Broker.connect(daemon.address) as two,
-            two.cache("v", Releaser()) as c2,
-        ):
-            assert await use(c1, "a") == "a@gpu"
-            assert await use(c2, "b") == "b@gpu"  # a goes down to ram, in its process
-            assert mover.moves == [("a", "ram")] and mover.released == []
-            entries = {e.key: e for e in await one.entries()}
-            assert entries["a"].state == "demoted" and entries["a"].charge == {"ram": 60}
-            assert entries["a"].home == {"gpu": 60}
-            assert ("'a'", "demoted", 0, {"ram": 60}) in listed(daemon)
-            # Back up: b (whose releaser cannot move) is released for it.
-            assert await use(c1, "a") == "a@gpu"  # moved back, not loaded
-            assert mover.moves == [("a", "ram"), ("a", "gpu")]
-            stats = await one.stats()
-            assert stats.demotions == 1 and stats.promotions == 1 and stats.loads == 1
-            assert stats.broker_used == {"gpu": 60, "ram": 0}
-            assert listed(daemon) == [("'a'", "ready", 0, {"gpu": 60})]
-            daemon.runner.core.check()
+    async with two_processes(BUDGET) as (daemon, mover, one, c1, _two, c2):
+        assert await use(c1, "a") == "a@gpu"
+        assert await use(c2, "b") == "b@gpu"  # a goes down to ram, in its process
+        assert mover.moves == [("a", "ram")] and mover.released == []
+        entries = {e.key: e for e in await one.entries()}
+        assert entries["a"].state == "demoted" and entries["a"].charge == {"ram": 60}
+        assert entries["a"].home == {"gpu": 60}
+        assert ("'a'", "demoted", 0, {"ram": 60}) in listed(daemon)
+        # Back up: b (whose releaser cannot move) is released for it.
+        assert await use(c1, "a") == "a@gpu"  # moved back, not loaded
+        assert mover.moves == [("a", "ram"), ("a", "gpu")]
+        stats = await one.stats()
+        assert stats.demotions == 1 and stats.promotions == 1 and stats.loads == 1
+        assert stats.broker_used == {"gpu": 60, "ram": 0}
+        assert listed(daemon) == [("'a'", "ready", 0, {"gpu": 60})]
+        daemon.runner.core.check()
 
 
 async def test_a_value_leased_again_before_its_move_is_asked_stays_and_is_not_moved() -> None:
-    async with serving(budget=BUDGET, tiers=TIERS) as daemon:
-        mover = Mover()
-        async with (
-            Broker.connect(daemon.address) as one,
-            one.cache("w", mover) as c1,
-            Broker.connect(daemon.address) as two,
-            two.cache("v", Releaser()) as c2,
-        ):
-            await use(c1, "a")
-            link = link_of(one)
-            # The daemon's ask and this process's new lease cross: the ask finds it held.
-            real = link.move
+    async with two_processes(BUDGET) as (daemon, mover, one, c1, _two, c2):
+        await use(c1, "a")
+        link = link_of(one)
+        # The daemon's ask and this process's new lease cross: the ask finds it held.
+        real = link.move
 
-            def move_after_a_lease(message: dict[str, Any]) -> None:
-                lease_now()
-                real(message)
+        def move_after_a_lease(message: dict[str, Any]) -> None:
+            lease_now()
+            real(message)
 
-            held: list[Any] = []
+        held: list[Any] = []
 
-            def lease_now() -> None:
-                entry = one._runner.core.owners["w"].entries["a"]
-                one._runner.core.hit(entry, "another task")
-                held.append(entry)
+        def lease_now() -> None:
+            entry = one._runner.core.owners["w"].entries["a"]
+            one._runner.core.hit(entry, "another task")
+            held.append(entry)
 
-            link.move = move_after_a_lease  # type: ignore[method-assign]
-            with pytest.raises(AcquireTimeout):
-                await c2.acquire("b", load=value("B"), size={"gpu": 60}, timeout=0.5)
-            assert mover.moves == []
-            assert ("'a'", "ready", 1, {"gpu": 60}) in listed(daemon)
-            daemon.runner.core.check()
-            link.move = real  # type: ignore[method-assign]
-            one._runner.core.lease_end(held[0], "another task", 0.0)
-            one._runner.apply()
-            assert await use(c2, "b") == "b@gpu"  # now a goes down
-            assert mover.moves == [("a", "ram")]
+        link.move = move_after_a_lease  # type: ignore[method-assign]
+        with pytest.raises(AcquireTimeout):
+            await c2.acquire("b", load=value("B"), size={"gpu": 60}, timeout=0.5)
+        assert mover.moves == []
+        assert ("'a'", "ready", 1, {"gpu": 60}) in listed(daemon)
+        daemon.runner.core.check()
+        link.move = real  # type: ignore[method-assign]
+        one._runner.core.lease_end(held[0], "another task", 0.0)
+        one._runner.apply()
+        assert await use(c2, "b") == "b@gpu"  # now a goes down
+        assert mover.moves == [("a", "ram")]
 
 
 # -- over a daemon restart ---------------------------------------------------------
@@ -258,34 +270,27 @@ def test_serve_refuses_bad_tiers_saying_what_was_wrong(tiers: str, message: str)
 
 async def test_ps_shows_moves_demoted_entries_and_placements_of_every_process() -> None:
     budget = {"gpu": 100, "g1": 100, "ram": 100}
-    async with serving(budget=budget, tiers=TIERS) as daemon:
-        mover = Mover()
-        async with (
-            Broker.connect(daemon.address) as one,
-            one.cache("w", mover) as c1,
-            Broker.connect(daemon.address) as two,
-            two.cache("v", Releaser()) as c2,
-        ):
-            await use(c1, "a")
-            mover.gate = anyio.Event()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(use, c2, "b")  # a moves down for it: held by the gate
-                await mover.started.wait()
-                await until(lambda: any(e["moving_to"] for e in daemon.listing()["entries"]))
-                moving = render(daemon.listing())
-                mover.gate.set()
+    async with two_processes(budget) as (daemon, mover, _one, c1, _two, c2):
+        await use(c1, "a")
+        mover.gate = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(use, c2, "b")  # a moves down for it: held by the gate
+            await mover.started.wait()
+            await until(lambda: any(e["moving_to"] for e in daemon.listing()["entries"]))
+            moving = render(daemon.listing())
+            mover.gate.set()
 
-            async def placed(space: str) -> str:
-                return f"p@{space}"
+        async def placed(space: str) -> str:
+            return f"p@{space}"
 
-            async with c2.acquire("p", load=placed, size=30, spaces=["gpu", "g1"]) as lease:
-                assert lease.value == "p@gpu"
-            await until(lambda: len(daemon.listing()["entries"]) == 3)
-            listing = {e["key"]: e for e in daemon.listing()["entries"]}
-            assert listing["'a'"]["state"] == "demoted" and listing["'a'"]["home"] == {"gpu": 60}
-            assert listing["'a'"]["pid"] == os.getpid() and listing["'a'"]["moving_to"] is None
-            assert listing["'p'"]["places"] == ["gpu", "g1"] and listing["'p'"]["home"] is None
-            table = render(daemon.listing())
+        async with c2.acquire("p", load=placed, size=30, spaces=["gpu", "g1"]) as lease:
+            assert lease.value == "p@gpu"
+        await until(lambda: len(daemon.listing()["entries"]) == 3)
+        listing = {e["key"]: e for e in daemon.listing()["entries"]}
+        assert listing["'a'"]["state"] == "demoted" and listing["'a'"]["home"] == {"gpu": 60}
+        assert listing["'a'"]["pid"] == os.getpid() and listing["'a'"]["moving_to"] is None
+        assert listing["'p'"]["places"] == ["gpu", "g1"] and listing["'p'"]["home"] is None
+        table = render(daemon.listing())
     [row] = [line for line in moving.splitlines() if "'a'" in line]
     assert "moving" in row and row.endswith("to ram")
     rows = {line.split()[2]: line for line in table.splitlines() if line.split()[2:3]}
