@@ -77,34 +77,30 @@ async def release(key: object, value: object) -> None:
 
 
 class Counts:
-    """Messages through ``_protocol.send`` / ``receive`` in this process, by direction and op."""
+    """Messages this process encodes and receives (``_protocol.encode`` / ``receive``), by
+    direction and op."""
 
     def __init__(self) -> None:
         self.messages: collections.Counter[str] = collections.Counter()
-        self.writes = 0
 
     def install(self, receiving: bool) -> None:
-        send, receive = wire.send, wire.receive
+        encode, receive = wire.encode, wire.receive
 
-        async def counted_send(stream: Any, *messages: Any) -> None:
-            self.writes += 1
-            for message in messages:
-                self.messages["sent " + message["op"]] += 1
-            await send(stream, *messages)
+        def counted_encode(message: Any) -> bytes:
+            self.messages["sent " + message["op"]] += 1
+            return encode(message)
 
-        async def counted_receive(
-            reader: BufferedByteReceiveStream, limit: int = wire.MAX_FRAME
-        ) -> dict[str, Any]:
+        async def counted_receive(reader: Any, limit: int = wire.MAX_FRAME) -> dict[str, Any]:
             message = await receive(reader, limit)
             self.messages["received " + message["op"]] += 1
             return message
 
-        wire.send = counted_send
+        wire.encode = counted_encode
         if receiving:
             wire.receive = counted_receive
 
     def snapshot(self) -> dict[str, Any]:
-        return {"writes": self.writes, "messages": dict(self.messages)}
+        return {"messages": dict(self.messages)}
 
 
 # ------------------------------------------------------------ helper roles

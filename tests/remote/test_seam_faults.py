@@ -79,11 +79,17 @@ def check(broker: Broker) -> None:
 
 
 async def quiet(broker: Broker) -> Any:
-    """Wait until nothing loads, releases, waits or is leased; the stats then."""
+    """Wait until nothing loads, releases, waits or is leased, here and at the daemon
+    (a release it decided for a request cancelled meanwhile may still be on its way
+    here); the stats then."""
+    daemon = daemon_of(broker)
+    brokers = [broker] if daemon is None else [broker, daemon.broker]
 
     def idle() -> bool:
-        s = broker.stats_nowait()
-        return not (s.loading or s.releasing or s.waiting or s.leased or s.waiting_for_lease)
+        for s in (b.stats_nowait() for b in brokers):
+            if s.loading or s.releasing or s.waiting or s.leased or s.waiting_for_lease:
+                return False
+        return True
 
     await wait_until(idle)
     stats = await broker.stats()

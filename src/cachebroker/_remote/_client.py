@@ -28,7 +28,6 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
 from .._core import Entry, Reason, Request, State
@@ -39,7 +38,7 @@ from . import _protocol as wire
 from ._client_books import ClientSeam
 from ._protocol import ProtocolError
 from ._questions import Questions
-from ._sockets import connect
+from ._sockets import Frames, Outlet, connect
 
 __all__ = ["Link", "Reconnect"]
 
@@ -157,7 +156,9 @@ class Link:
         #: kept for it after a lost connection are given back once it registered again.
         self.session = os.urandom(8).hex()
         self.stream: anyio.abc.SocketStream | None = None
-        self.rx: BufferedByteReceiveStream | None = None
+        self.rx: Frames | None = None
+        #: Writes the batches of the connection being served (``_serve``).
+        self.outlet: Outlet | None = None
         self._ids = itertools.count(1)
         #: Entries the daemon knows (from their ``acquire`` on), by number and back.
         self.ids: dict[Entry, int] = {}
@@ -177,12 +178,9 @@ class Link:
         #: (it need not be: the daemon waits for "gone" or "quarantined").
         self.asked: dict[Entry, bool] = {}
         self.outbox: list[dict[str, Any]] = []
-        self.wake = anyio.Event()
-        self._waking = False
         #: The error every operation that needs the daemon raises once it is gone.
         self.error: BrokerClosed | None = None
         self.closing = False
-        self.drained = anyio.Event()
         self.totals: dict[str, Any] | None = None
         #: Set (and renewed) at each ``totals`` answer; the answers asked for and
         #: had, in order, so that concurrent ``stats()`` each wait for their own.
@@ -233,11 +231,12 @@ class Link:
     async def finish(self) -> None:
         """Send what is left, then close the connection (the daemon forgets this process)."""
         self.closing = True
-        if self.error is None and self.online and self.running:
+        outlet = self.outlet
+        if self.error is None and self.online and self.running and outlet is not None:
             self.collect()
-            self.wake.set()
+            outlet.soon()
             with anyio.move_on_after(FINISH_TIMEOUT):
-                await self.drained.wait()
+                await outlet.drain()
         if self.stream is not None:
             await anyio.aclose_forcefully(self.stream)
 
@@ -255,7 +254,6 @@ class Link:
             admission.error = self.error
             admission.event.set()
         self.questions.unanswered()
-        self.drained.set()
         if self._totals_wait is not None:
             self._totals_wait.set()
 
@@ -264,27 +262,31 @@ class Link:
     def mark(self, entry: Entry) -> None:
         """The books changed ``entry``: report it in the next batch (``ClientSeam``)."""
         self.dirty[entry] = None
-        if not self._waking:
-            self._wake_writer()
+        self._wake_writer()
 
     def offer(self, entry: Entry) -> None:
         """Report ``entry`` idle now, whatever the next batch would say (``ClientSeam.want``)."""
         self.dirty[entry] = None
         self.collect()
-        if not self._waking:
-            self._waking = True
-            self.wake.set()
+        self._wake_writer()
 
     def post(self, message: dict[str, Any]) -> None:
         """Queue ``message`` after every change marked before it."""
         self.collect()
         self.outbox.append(message)
-        if not self._waking:
-            self._wake_writer()
+        self._wake_writer()
 
     def _wake_writer(self) -> None:
-        self._waking = True
-        self.wake.set()
+        if self.outlet is not None:
+            self.outlet.soon()
+
+    def _batch(self) -> list[dict[str, Any]]:
+        """The next write (``Outlet``): the reports of what changed, then the messages posted."""
+        if self.error is not None:
+            return []
+        self.collect()
+        batch, self.outbox = self.outbox, []
+        return batch
 
     def collect(self) -> None:
         """Turn the entries marked since the last batch into reports of what changed."""
@@ -373,30 +375,6 @@ class Link:
             message["priority"] = priority
         return message
 
-    async def writer(self) -> None:
-        """Send each batch: the reports of what changed, then the messages posted.
-
-        Once it ends (cancelled with the scope around the broker, say) nothing
-        more will be sent: ``finish`` does not wait for it then.
-        """
-        assert self.stream is not None
-        try:
-            while True:
-                await self.wake.wait()
-                self.wake = anyio.Event()
-                self._waking = False
-                if self.error is not None:
-                    return
-                self.collect()
-                batch, self.outbox = self.outbox, []
-                if batch:
-                    await wire.send(self.stream, *batch)
-                if self.closing and not self.outbox and not self.dirty:
-                    self.drained.set()
-        finally:
-            if self.closing:
-                self.drained.set()
-
     # ------------------------------------------------------------- receiving
 
     async def reader(self) -> None:
@@ -459,7 +437,6 @@ class Link:
                     return
         finally:
             self.running = False
-            self.drained.set()  # (nothing more will be sent: ``finish`` need not wait)
 
     async def _serve(self) -> BaseException:
         """Read and write until the connection ends; what ended it.
@@ -470,11 +447,14 @@ class Link:
         stream = self.stream
         assert stream is not None
         ended: list[BaseException] = []
+        outlet = self.outlet = Outlet(stream, self._batch, wire.encode)
+        if self.outbox or self.dirty:
+            outlet.soon()
         async with anyio.create_task_group() as tg:
 
             async def write() -> None:
                 try:
-                    await self.writer()
+                    await outlet.run()
                 except Exception as exc:  # (the connection's end, never the application's)
                     ended.append(exc)
                     tg.cancel_scope.cancel()
@@ -608,7 +588,6 @@ class Link:
         self.outbox = messages
         self.dirty = {}
         self.online = True
-        self.wake = anyio.Event()
         self._wake_writer()
         return adopted
 

@@ -23,6 +23,7 @@ from . import _protocol as wire
 from ._daemon_books import _FailedThere, _Refused, pin
 from ._mirrors import _Holder, _How, _Key, _loading, _measured, _Mirror, _Space
 from ._protocol import ProtocolError
+from ._sockets import Outlet
 
 __all__ = ["Connection", "Host"]
 
@@ -100,42 +101,28 @@ class Connection:
         self.opened: list[_Space] = []
         self.mirrors: dict[int, _Mirror] = {}
         self.outbox: list[dict[str, Any]] = []
-        self.wake = anyio.Event()
+        #: Writes what was posted, one batch per turn of the loop.
+        self.outlet = Outlet(stream, self._batch, wire.encode)
         self.tg: anyio.abc.TaskGroup | None = None
         #: The level of its ``peer.connected`` and ``peer.gone`` (debug for ``cachebroker ps``).
         self.level = "info"
-        #: How many messages the writer is sending; set (and renewed) after each write.
-        self.sending = 0
-        self.sent = anyio.Event()
-        #: Until the writer is gone (the connection broke, or is ending).
-        self.writing = True
 
     def post(self, message: dict[str, Any]) -> None:
-        """Queue ``message`` for the writer."""
+        """Queue ``message``: it leaves with what else this turn of the loop posts."""
         self.outbox.append(message)
-        self.wake.set()
+        self.outlet.soon()
+
+    def _batch(self) -> list[dict[str, Any]]:
+        batch, self.outbox = self.outbox, []
+        return batch
 
     async def writer(self) -> None:
-        """Send what was posted, a batch per write."""
-        try:
-            while True:
-                await self.wake.wait()
-                self.wake = anyio.Event()
-                batch, self.outbox = self.outbox, []
-                self.sending = len(batch)
-                try:
-                    await wire.send(self.stream, *batch)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    return  # the reader sees the end too
-                finally:
-                    self.sending = 0
-                    self.sent.set()
-                    self.sent = anyio.Event()
-        finally:
-            self.writing = False
+        """Send what was posted, a batch per write, until the connection breaks."""
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await self.outlet.run()  # (the reader sees the end too)
 
     async def room(self) -> bool:
-        """Wait while more than ``MAX_UNSENT`` messages wait to be sent to the process;
+        """Wait while ``MAX_UNSENT`` messages or more wait to be sent to the process;
         false once nothing can be sent to it any more (the connection is over).
 
         A process that does not read what it asked for is not read either, so
@@ -144,9 +131,10 @@ class Connection:
         process that reads (every ``Broker.connect()`` reads all the time)
         never waits here but for the moment one write takes.
         """
-        while self.writing and len(self.outbox) + self.sending > MAX_UNSENT:
-            await self.sent.wait()
-        return self.writing
+        outlet = self.outlet
+        while outlet.open and len(self.outbox) + outlet.unsent >= MAX_UNSENT:
+            await outlet.written()
+        return outlet.open
 
     # ------------------------------------------------------------ messages
 

@@ -36,7 +36,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import _log_events as ev
 from .._core import Entry, State
@@ -47,7 +46,7 @@ from ._connection import Connection
 from ._daemon_books import DaemonBroker, DaemonReleases, plug_daemon
 from ._mirrors import _Key, _measured
 from ._protocol import ProtocolError
-from ._sockets import connect, listen
+from ._sockets import Frames, connect, listen
 
 __all__ = ["Daemon", "DaemonBroker", "DaemonReleases"]
 
@@ -368,7 +367,7 @@ class Daemon:
         try:
             async with stream:
                 uid, pid = wire.peer(stream)
-                reader = BufferedByteReceiveStream(stream)
+                reader = Frames(stream)
                 if uid is not None and uid != self.uid:
                     await self._refuse_user(stream, reader, uid, pid)
                     return
@@ -399,7 +398,7 @@ class Daemon:
                 error="; ".join(map(_why, _leaves(failed))),
             )
 
-    async def _hello(self, reader: BufferedByteReceiveStream) -> dict[str, Any] | None:
+    async def _hello(self, reader: Frames) -> dict[str, Any] | None:
         """A new connection's first message (``None``: it closed without one).
 
         ``ProtocolError`` for a first frame that is no message or is over
@@ -422,7 +421,7 @@ class Daemon:
     async def _refuse_user(
         self,
         stream: anyio.abc.SocketStream,
-        reader: BufferedByteReceiveStream,
+        reader: Frames,
         uid: int,
         pid: int | None,
     ) -> None:
@@ -437,7 +436,7 @@ class Daemon:
     async def _serve(
         self,
         stream: anyio.abc.SocketStream,
-        reader: BufferedByteReceiveStream,
+        reader: Frames,
         pid: int,
         *,
         observer: bool,

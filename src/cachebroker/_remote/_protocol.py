@@ -36,6 +36,7 @@ from .. import _errors
 from .._core import Reason, Request
 from .._errors import BrokerError
 from .._shell._seam import Freed
+from ._sockets import Frames, FrameTooLarge
 
 __all__ = [
     "MAX_DEPTH",
@@ -137,12 +138,22 @@ async def send(stream: ByteSendStream, *messages: Mapping[str, Any]) -> None:
     await stream.send(b"".join(encode(message) for message in messages))
 
 
-async def receive(reader: BufferedByteReceiveStream, limit: int = MAX_FRAME) -> dict[str, Any]:
+async def receive(
+    reader: Frames | BufferedByteReceiveStream, limit: int = MAX_FRAME
+) -> dict[str, Any]:
     """The next message, of at most ``limit`` bytes; ``ProtocolError`` for anything else.
 
     Raises ``anyio.IncompleteRead`` or ``anyio.EndOfStream`` when the peer
     closed the connection.
     """
+    if isinstance(reader, Frames):
+        try:
+            body = await reader.receive(limit)
+        except FrameTooLarge as exc:
+            raise ProtocolError(
+                f"a frame of {exc.length} bytes is over the limit of {limit}"
+            ) from None
+        return decode(body)
     (length,) = _HEADER.unpack(await reader.receive_exactly(_HEADER.size))
     if length > limit:
         raise ProtocolError(f"a frame of {length} bytes is over the limit of {limit}")
@@ -204,7 +215,7 @@ def check_depth(body: bytes) -> None:
 
 async def greet(
     stream: anyio.abc.SocketStream, session: str | None = None, *, observer: bool = False
-) -> tuple[BufferedByteReceiveStream, dict[str, Any]]:
+) -> tuple[Frames, dict[str, Any]]:
     """Say ``hello``; the reader, and the daemon's answer (``welcome`` or ``error``).
 
     ``session`` names the connected broker across its reconnections. An
@@ -217,7 +228,7 @@ async def greet(
     if observer:
         hello["observer"] = True
     await send(stream, hello)
-    reader = BufferedByteReceiveStream(stream)
+    reader = Frames(stream)
     return reader, await receive(reader)
 
 

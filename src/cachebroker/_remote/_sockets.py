@@ -18,15 +18,32 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections import deque
-from typing import cast
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._shell._backend import running_backend
 
-__all__ = ["connect", "listen"]
+__all__ = ["READ_AHEAD", "FrameTooLarge", "Frames", "Outlet", "connect", "listen"]
+
+#: How many bytes the loop reads from a connection ahead of its receives (asyncio).
+READ_AHEAD = 256 << 10
+
+#: A frame's length, before its body.
+_LENGTH = struct.Struct(">I")
+
+
+class FrameTooLarge(Exception):
+    """A frame longer than the receiver's limit (``length``: what it said)."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.length = length
 
 
 async def connect(path: str) -> anyio.abc.SocketStream:
@@ -95,24 +112,43 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 
 class _Protocol(asyncio.Protocol):
-    """What the loop reads, queued until a receive takes it; when writing may go on."""
+    """What the loop reads, kept until a receive takes it; when writing may go on.
+
+    The loop reads ahead of the receives up to ``READ_AHEAD`` bytes, then
+    pauses until a receive wants more: a peer that sends faster than its
+    messages are handled waits in its socket, not in this process's memory.
+    """
 
     def __init__(self) -> None:
-        self.chunks: deque[bytes] = deque()
-        self.readable = asyncio.Event()  # set: a chunk, the end, or a failure to report
+        self.buffer = bytearray()
+        self.readable = asyncio.Event()  # set: bytes, the end, or a failure to report
         self.writable = asyncio.Event()
         self.writable.set()
         self.ended = False
         self.error: Exception | None = None
+        self.transport: asyncio.Transport | None = None
+        self.paused = False
+        #: Called once the transport's buffer is empty again, and once the connection is lost.
+        self.on_written: Callable[[], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport = cast(asyncio.Transport, transport)
-        transport.pause_reading()  # (reading resumes while a receive waits)
-        transport.set_write_buffer_limits(0)  # (a send returns once its bytes are out)
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(0)  # (written out, or the writer waits)
 
     def data_received(self, data: bytes) -> None:
-        self.chunks.append(bytes(data))
+        self.buffer += data
         self.readable.set()
+        if len(self.buffer) >= READ_AHEAD and not self.paused:
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self.paused = True
+
+    def want(self) -> None:
+        """A receive waits for more than the buffer holds: read on."""
+        self.readable.clear()
+        if self.paused and self.transport is not None and not self.transport.is_closing():
+            self.paused = False
+            self.transport.resume_reading()
 
     def eof_received(self) -> bool:
         self.ended = True
@@ -124,12 +160,16 @@ class _Protocol(asyncio.Protocol):
         self.error = exc
         self.readable.set()
         self.writable.set()
+        if self.on_written is not None:
+            self.on_written()
 
     def pause_writing(self) -> None:
         self.writable.clear()
 
     def resume_writing(self) -> None:
         self.writable.set()
+        if self.on_written is not None:
+            self.on_written()
 
 
 class _TransportStream(anyio.abc.SocketStream):
@@ -149,33 +189,58 @@ class _TransportStream(anyio.abc.SocketStream):
     async def receive(self, max_bytes: int = 65536) -> bytes:
         if max_bytes < 1:
             raise ValueError("max_bytes must be a positive integer")
+        protocol = self._protocol
+        await self._fill(1, checkpoint=True)
+        buffer = protocol.buffer
+        chunk = bytes(buffer[:max_bytes])
+        del buffer[:max_bytes]
+        return chunk
+
+    async def receive_frame(self, limit: int) -> bytes:
+        """The next frame's body (after its 4-byte big-endian length), taken from the
+        transport's buffer; ``FrameTooLarge`` for one longer than ``limit`` bytes.
+
+        A frame that has arrived already is returned after one checkpoint, as
+        any receive, so that what the frame before it woke runs first; the loop
+        reads at most ``READ_AHEAD`` bytes ahead of the frames taken.
+        """
+        buffer = self._protocol.buffer
+        if len(buffer) < _LENGTH.size:
+            await self._fill(_LENGTH.size)
+        (length,) = _LENGTH.unpack_from(buffer)
+        if length > limit:
+            raise FrameTooLarge(length)
+        end = _LENGTH.size + length
+        if len(buffer) < end:
+            await self._fill(end)
+        else:
+            await anyio.lowlevel.checkpoint()
+        body = bytes(buffer[_LENGTH.size : end])
+        del buffer[:end]
+        return body
+
+    async def _fill(self, size: int, *, checkpoint: bool = False) -> None:
+        """Wait until the buffer holds ``size`` bytes; ``EndOfStream`` (or
+        ``IncompleteRead`` for a part of a frame) if the peer ended first."""
         if self._receiving:
             raise anyio.BusyResourceError("reading from")
         self._receiving = True
         try:
             protocol = self._protocol
-            if protocol.chunks or protocol.ended or self._closed:
+            buffer = protocol.buffer
+            if checkpoint and len(buffer) >= size:
                 await anyio.lowlevel.checkpoint()
-            else:
-                self._transport.resume_reading()
-                try:
-                    await protocol.readable.wait()
-                finally:
-                    if not self._transport.is_closing():
-                        self._transport.pause_reading()
+            while len(buffer) < size and not protocol.ended and not self._closed:
+                protocol.want()
+                await protocol.readable.wait()
             if self._closed:
                 raise anyio.ClosedResourceError
-            if not protocol.chunks:
+            if len(buffer) < size:
                 if protocol.error is not None:
                     raise anyio.BrokenResourceError from protocol.error
+                if buffer:
+                    raise anyio.IncompleteRead
                 raise anyio.EndOfStream
-            chunk = protocol.chunks.popleft()
-            if len(chunk) > max_bytes:
-                chunk, rest = chunk[:max_bytes], chunk[max_bytes:]
-                protocol.chunks.appendleft(rest)
-            if not protocol.chunks and not protocol.ended:
-                protocol.readable.clear()
-            return chunk
         finally:
             self._receiving = False
 
@@ -216,3 +281,135 @@ class _TransportStream(anyio.abc.SocketStream):
             self._closed = True
             self._transport.abort()  # (wakes a waiting receive or send: connection_lost)
         await anyio.lowlevel.checkpoint()
+
+
+class Frames:
+    """The frames (a 4-byte big-endian length, then that many bytes) a stream receives.
+
+    From one of this module's streams (asyncio) each frame is cut from the
+    transport's buffer (``_TransportStream.receive_frame``); from any other
+    stream (trio's), through anyio's buffered stream.
+    """
+
+    __slots__ = ("_buffered", "_stream")
+
+    def __init__(self, stream: anyio.abc.ByteReceiveStream) -> None:
+        self._stream = stream if isinstance(stream, _TransportStream) else None
+        self._buffered = None if self._stream is not None else BufferedByteReceiveStream(stream)
+
+    async def receive(self, limit: int) -> bytes:
+        """The next frame's body; ``FrameTooLarge`` if it is longer than ``limit`` bytes."""
+        if self._stream is not None:
+            return await self._stream.receive_frame(limit)
+        assert self._buffered is not None
+        (length,) = _LENGTH.unpack(await self._buffered.receive_exactly(_LENGTH.size))
+        if length > limit:
+            raise FrameTooLarge(length)
+        return await self._buffered.receive_exactly(length)
+
+
+class Outlet:
+    """Sends what its owner has for the peer: one write per batch, by one writer task.
+
+    ``soon()`` asks the writer (``run``) for a write of what ``batch()``
+    returns (each message encoded by ``encode``, all in one write), so that
+    what one turn of the loop decides leaves together. Into one of this
+    module's streams (asyncio) the write goes straight into the transport, and
+    the writer waits for the next batch at once; ``unsent`` then counts the
+    messages written and not yet out of this process (the peer does not
+    read). ``written()`` waits for a write to end.
+    """
+
+    __slots__ = (
+        "_asked",
+        "_batch",
+        "_encode",
+        "_stream",
+        "_transport",
+        "_wake",
+        "_watched",
+        "_written",
+        "open",
+        "unsent",
+    )
+
+    def __init__(
+        self,
+        stream: anyio.abc.ByteSendStream,
+        batch: Callable[[], Sequence[Mapping[str, Any]]],
+        encode: Callable[[Mapping[str, Any]], bytes],
+    ) -> None:
+        self._stream = stream
+        self._batch = batch
+        self._encode = encode
+        self._transport = stream if isinstance(stream, _TransportStream) else None
+        self._asked = False
+        self._wake = anyio.Event()
+        self._written = anyio.Event()
+        self._watched = False
+        #: Messages handed to the stream and not written out of this process yet.
+        self.unsent = 0
+        #: False once nothing more can be written (the connection is over).
+        self.open = True
+        if self._transport is not None:
+            self._transport._protocol.on_written = self._out
+
+    def soon(self) -> None:
+        """Have the writer write what ``batch()`` returns once this task waits."""
+        if not self._asked and self.open:
+            self._asked = True
+            self._wake.set()
+
+    async def written(self) -> None:
+        """Wait for the next write to end (or for the connection's end)."""
+        self._watched = True
+        await self._written.wait()
+
+    async def drain(self) -> None:
+        """Wait until everything asked for is written out, or nothing more can be."""
+        while self.open and (self._asked or self.unsent):
+            await self.written()
+
+    async def run(self) -> None:
+        """The writer, until the connection ends (or this task is cancelled): raises
+        what failed a write (``anyio.BrokenResourceError`` and the like)."""
+        stream = self._transport
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                self._asked = False
+                messages = self._batch()
+                if not messages:
+                    continue
+                data = b"".join(map(self._encode, messages))
+                if stream is None:
+                    self.unsent = len(messages)
+                    try:
+                        await self._stream.send(data)
+                    finally:
+                        self.unsent = 0
+                else:
+                    stream._check_open()
+                    stream._transport.write(data)  # (no wait: the next batch may come)
+                    if not stream._protocol.writable.is_set():
+                        self.unsent += len(messages)  # (out once the transport's buffer is)
+                    # One turn of the loop before the writer waits again, as a send
+                    # takes: the loop reads what was written to a peer in this same
+                    # loop (a daemon in it) before every task here waits.
+                    await anyio.lowlevel.cancel_shielded_checkpoint()
+                self._notify()
+        finally:
+            self.open = False
+            self._notify()
+
+    def _out(self) -> None:
+        """The transport wrote out its buffer, or the connection is over."""
+        self.unsent = 0
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._watched:
+            self._watched = False
+            self._written.set()
+            self._written = anyio.Event()
