@@ -21,6 +21,7 @@ import anyio.lowlevel
 import pytest
 
 from cachebroker._remote import _protocol as wire
+from cachebroker._remote import _sockets
 from cachebroker._remote._sockets import connect, listen
 
 pytestmark = pytest.mark.anyio
@@ -164,3 +165,29 @@ async def test_a_stream_knows_its_peer_and_refuses_two_readers(path: str) -> Non
             await client.send(b"x")
         with pytest.raises(ValueError, match="max_bytes"):
             await server.receive(0)
+
+
+async def test_an_outlet_drains_when_its_last_batch_is_empty_and_writes_batches_in_order(
+    path: str,
+) -> None:
+    """``Outlet.drain`` (what a closing broker awaits) returns once the writer has
+    taken the batch asked for, even an empty one; the batches arrive whole, in order."""
+    batches: list[list[dict[str, object]]] = [[{"op": "a"}, {"op": "b"}], [], [{"op": "c"}]]
+
+    def batch() -> list[dict[str, object]]:
+        return batches.pop(0)
+
+    async with pair(path) as (client, server):
+        outlet = _sockets.Outlet(client, batch, wire.encode)
+        reader = _sockets.Frames(server)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(outlet.run)
+            for _ in range(3):
+                outlet.soon()
+                with anyio.fail_after(5):  # (a bound on a hang, not a measurement)
+                    await outlet.drain()
+            assert batches == [] and outlet.unsent == 0
+            received = [(await wire.receive(reader))["op"] for _ in range(3)]
+            tg.cancel_scope.cancel()
+        assert received == ["a", "b", "c"]
+        assert not outlet.open

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from .. import _log_events as ev
 from .._core import Entry, Reason, Request, State, Ticket
@@ -267,16 +268,19 @@ class Connection:
         assert block is not None
         with anyio.CancelScope() as scope:
             mirror.scope = scope
-            if mirror.cancelled:
+            if mirror.cancelled:  # (withdrawn before this task started: never asked)
                 scope.cancel()
+                await anyio.lowlevel.checkpoint()
             # A restarted daemon grants nothing until the processes of the one
             # before it have said what they hold (``Daemon.gate``).
-            await self.daemon.gate.wait()
+            if not self.daemon.gate.is_set():
+                await self.daemon.gate.wait()
             # The entries the requesting task leases may still be settling here
             # (their loads' reports came in the same batch): wait for them, so
             # that a request only those leases could make room for is refused.
             for other in holding:
-                await other.settled.wait()
+                if not other.settled.is_set():
+                    await other.settled.wait()
             held = tuple(other.entry for other in holding if other.entry is not None)
             try:
                 entry, task = await self.runner.request(

@@ -381,6 +381,7 @@ class Outlet:
                 self._asked = False
                 messages = self._batch()
                 if not messages:
+                    self._notify()  # (nothing to write: a ``drain`` is over)
                     continue
                 data = b"".join(map(self._encode, messages))
                 if stream is None:

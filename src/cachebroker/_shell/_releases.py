@@ -12,6 +12,7 @@ seconds while requests wait for their space.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import Callable, Coroutine, Generator, Mapping
@@ -26,8 +27,9 @@ from .._errors import BrokerClosed, DeadlockError, ReleaseFailed
 from .._stats import EvictionReport
 from ._actor import Block
 from ._backend import Fault, classify, task_name
+from ._deadlines import Deadlines
 from ._seam import FailedThere, Refused, Remote
-from ._steps import Slot, Spawn, Steps, measure, since
+from ._steps import Slot, Steps, measure, since
 from ._sweeper import Probes
 
 __all__ = ["HeldLeases", "Releases"]
@@ -39,6 +41,7 @@ class Releases:
     __slots__ = (
         "_blocking_warning",
         "_caches",
+        "_deadlines",
         "_note_idle",
         "_probes",
         "_remote",
@@ -55,10 +58,13 @@ class Releases:
         probes: Probes,
         remote: Remote,
         *,
+        deadlines: Deadlines,
         note_idle: Callable[[Entry], None],
         blocking_warning: float | None,
     ) -> None:
         self._steps = steps
+        #: The broker's timers: each release's and move's watchdog.
+        self._deadlines = deadlines
         self._caches = caches
         self._probes = probes
         self._remote = remote
@@ -103,17 +109,16 @@ class Releases:
         )
         cache.spawn(self.run, cache, entry, name=f"cachebroker release {cache.name}:{entry.key!r}")
 
-    async def run(self, cache: Block, entry: Entry, spawn: Spawn | None = None) -> None:
-        """Ask ``cache``'s releaser to free ``entry``, watched by ``release_timeout``.
-
-        The watchdog runs in the cache's task group, or through ``spawn``.
-        """
+    async def run(self, cache: Block, entry: Entry) -> None:
+        """Ask ``cache``'s releaser to free ``entry``, watched by ``release_timeout``."""
         steps = self._steps
         slot: Slot = entry.shell
-        watchdog = anyio.CancelScope()
         timeout = steps.release_timeout
+        watchdog = None
         if timeout is not None:
-            (spawn or cache.spawn)(self._watch_release, entry, watchdog, timeout)
+            watchdog = self._deadlines.after(
+                timeout, functools.partial(self._release_overdue, entry, timeout)
+            )
         task = steps.current_task()
         self.releasing_tasks.add(task)
         try:
@@ -139,7 +144,8 @@ class Releases:
             )
         finally:
             self._done_with(task)
-            watchdog.cancel()
+            if watchdog is not None:
+                watchdog.cancel()
             steps.apply()
             assert slot.released is not None
             slot.released.set()
@@ -202,27 +208,25 @@ class Releases:
         core.release_failed(entry, failure)
         return fault is not Fault.FAILED
 
-    async def _watch_release(self, entry: Entry, scope: anyio.CancelScope, timeout: float) -> None:
-        """Quarantine ``entry`` once its release has run ``timeout`` seconds.
+    def _release_overdue(self, entry: Entry, timeout: float) -> None:
+        """Quarantine ``entry``: its release has run ``timeout`` seconds (a deadline).
 
         The release runs on (a releaser cannot be stopped safely): its bytes
         are overdue, not lost, so requests may wait for them; ``run`` reports
         its end (``release_done`` frees them, ``release_failed`` strands them
         until ``forget``).
         """
-        with scope:
-            await anyio.sleep(timeout)
-            entry.shell.timed_out = True
-            self.timeouts += 1
-            self._steps.core.release_overdue(
-                entry,
-                ReleaseFailed(
-                    f"releasing {entry.owner.name}:{entry.key!r} was not acknowledged "
-                    f"within {timeout:g}s"
-                ),
-            )
-            self._steps.apply()
-            entry.shell.released.set()
+        entry.shell.timed_out = True
+        self.timeouts += 1
+        self._steps.core.release_overdue(
+            entry,
+            ReleaseFailed(
+                f"releasing {entry.owner.name}:{entry.key!r} was not acknowledged "
+                f"within {timeout:g}s"
+            ),
+        )
+        self._steps.apply()
+        entry.shell.released.set()
 
     async def await_releases(self, entries: list[Entry]) -> EvictionReport:
         """Wait for the releases of ``entries`` to be acknowledged (or to fail)."""
@@ -289,10 +293,12 @@ class Releases:
             to = steps.core.owner_space(entry, destination(entry))
             slot.moving_to = to
             self._announce(cache, entry, to)
-        watchdog = anyio.CancelScope()
         timeout = steps.release_timeout
+        watchdog = None
         if timeout is not None:
-            cache.spawn(self._watch_move, entry, to, watchdog, timeout)
+            watchdog = self._deadlines.after(
+                timeout, functools.partial(self._move_overdue, entry, to, timeout)
+            )
         started = steps.clock()
         task = steps.current_task()
         self.releasing_tasks.add(task)  # (it may not wait for space: see Requests)
@@ -312,13 +318,15 @@ class Releases:
             if probed:
                 await self._probes.wait_for_memory(entry, probed, going)
         except BaseException as exc:
-            watchdog.cancel()
+            if watchdog is not None:
+                watchdog.cancel()
             if self._move_raised(entry, to, exc):
                 raise
             return
         finally:
             self._done_with(task)
-        watchdog.cancel()
+        if watchdog is not None:
+            watchdog.cancel()
         if slot.timed_out:  # quarantined already: free what came back, as a late release
             await self._release_late_move(cache, entry, value)
         else:
@@ -447,19 +455,16 @@ class Releases:
         self._steps.core.move_failed(entry, failure)
         self._steps.apply()
 
-    async def _watch_move(
-        self, entry: Entry, to: str, scope: anyio.CancelScope, timeout: float
-    ) -> None:
-        with scope:
-            await anyio.sleep(timeout)
-            entry.shell.timed_out = True  # (counted in moves_failed, not release_timeouts)
-            self._move_failed(
-                entry,
-                ReleaseFailed(
-                    f"moving {entry.owner.name}:{entry.key!r} to {to!r} was not "
-                    f"acknowledged within {timeout:g}s"
-                ),
-            )
+    def _move_overdue(self, entry: Entry, to: str, timeout: float) -> None:
+        """Quarantine ``entry``: its move has run ``timeout`` seconds (a deadline)."""
+        entry.shell.timed_out = True  # (counted in moves_failed, not release_timeouts)
+        self._move_failed(
+            entry,
+            ReleaseFailed(
+                f"moving {entry.owner.name}:{entry.key!r} to {to!r} was not "
+                f"acknowledged within {timeout:g}s"
+            ),
+        )
 
 
 class HeldLeases:

@@ -53,6 +53,7 @@ from ..probes import Probe
 from . import _backend, _logging
 from ._actor import Block
 from ._config import Listener, MoveFunction, ReleaseFunction
+from ._deadlines import Deadlines
 from ._loads import Loads
 from ._releases import HeldLeases, Releases
 from ._requests import Requests
@@ -93,6 +94,7 @@ class Runner:
         "clock",
         "core",
         "current_task",
+        "deadlines",
         "held_leases",
         "idle_ttl",
         "listeners",
@@ -156,11 +158,14 @@ class Runner:
         self.probes = Probes(self, probes, memory_wait, logger)
         self.held_leases = HeldLeases(self, remote, lease_warning)
         self.sweeper = Sweeper(self, self.probes, self.held_leases, probe_interval)
+        #: Every watchdog's timer (``Releases``), run by one task of the broker's.
+        self.deadlines = Deadlines()
         self.releases = Releases(
             self,
             self._caches,
             self.probes,
             remote,
+            deadlines=self.deadlines,
             note_idle=self.sweeper.note_idle,
             blocking_warning=blocking_warning,
         )
@@ -211,6 +216,7 @@ class Runner:
         self._tg = tg
         self.running = True
         tg.start_soon(self.sweeper.run, name="cachebroker idle sweeper")
+        tg.start_soon(self.deadlines.run, name="cachebroker deadlines")
         self.remote.started(self._spawn)
 
     async def stop(

@@ -3,7 +3,7 @@
 ``Probes`` reads each probed space's device: its capacity for the books
 before every miss and on the sweeper's timer, and the free bytes before and
 after a release, whose bytes must show on the device before they are handed
-out again. ``Sweeper`` is the broker's one timer task: it expires idle
+out again. ``Sweeper`` is the broker's periodic task: it expires idle
 entries (``Core.sweep``), re-reads the probes, and has ``HeldLeases`` look
 for leases held while requests wait.
 """
