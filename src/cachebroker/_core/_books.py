@@ -186,12 +186,10 @@ class Core(Books):
         if self.on_touch is not None:
             self.on_touch(entry)
         seam = self.seam
-        if seam is not None:
-            seam.leased(entry)
-            if seam.drains(entry):
-                # Its leases kept overlapping: new requests load afresh (behind
-                # the other side's waiter), and it goes when its last lease ends.
-                _transitions.doom(self, entry, Reason.CAPACITY)
+        if seam is not None and seam.leased(entry):
+            # Its leases kept overlapping: new requests load afresh (behind
+            # the other side's waiter), and it goes when its last lease ends.
+            _transitions.doom(self, entry, Reason.CAPACITY)
 
     def request(
         self,

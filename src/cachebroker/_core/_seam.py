@@ -15,6 +15,8 @@ Announcements, each after the books changed:
   then raised, it was written off...); what changed is worked out when the
   next report is sent.
 - ``leased`` / ``ended``: the entry took a lease, or its last lease ended.
+  ``leased`` answers too: whether the entry's leases kept overlapping while
+  the other side wanted it, so that it is drained now.
 - ``loaded``: a load ended, the entry charged as measured.
 - ``moved``: a move ended, the entry charged where it went (as measured).
 - ``withdrawn``: every requester of a load left (the load is cancelled).
@@ -27,8 +29,6 @@ Announcements, each after the books changed:
 
 Questions:
 
-- ``drains(entry)``, asked on each lease of an entry: whether its leases
-  kept overlapping while the other side wanted it, so that it is drained now.
 - ``lets_go(entry)``, asked when a release the other side asked for is
   refused (the entry is leased or pinned): whether it goes when its last
   lease ends anyway, because it was offered idle meanwhile.
@@ -48,7 +48,9 @@ class Seam(Protocol):
 
     def changed(self, entry: Entry) -> None: ...
 
-    def leased(self, entry: Entry) -> None: ...
+    def leased(self, entry: Entry) -> bool:
+        """A lease on ``entry`` began: whether its leases kept overlapping so long
+        that it drains (new requests load afresh; it goes once its last lease ends)."""
 
     def ended(self, entry: Entry) -> None: ...
 
@@ -65,7 +67,5 @@ class Seam(Protocol):
     def gone(self, entry: Entry) -> None: ...
 
     def wanted(self, entry: Entry) -> bool: ...
-
-    def drains(self, entry: Entry) -> bool: ...
 
     def lets_go(self, entry: Entry) -> bool: ...

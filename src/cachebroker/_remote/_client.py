@@ -173,7 +173,6 @@ class Link:
         self.awaiting: dict[Entry, None] = {}
         #: What this process asked the daemon and awaits the answer to (why, free).
         self.questions = Questions(self.post)
-        self.dirty: dict[Entry, None] = {}
         #: Entries whose release the daemon asked for, and not yet told "releasing"
         #: (it need not be: the daemon waits for "gone" or "quarantined").
         self.asked: dict[Entry, bool] = {}
@@ -187,7 +186,7 @@ class Link:
         self._totals_wait: anyio.Event | None = None
         self._totals_asked = self._totals_had = 0
         #: This process's side of the books (``client_books``): what it marks is reported.
-        self.seam = ClientSeam(self.mark, self.withdraw, self.offer)
+        self.seam = ClientSeam(self._wake_writer, self.withdraw, self.offer)
 
     # ------------------------------------------------------------ life cycle
 
@@ -261,12 +260,11 @@ class Link:
 
     def mark(self, entry: Entry) -> None:
         """The books changed ``entry``: report it in the next batch (``ClientSeam``)."""
-        self.dirty[entry] = None
-        self._wake_writer()
+        self.seam.mark(entry)
 
     def offer(self, entry: Entry) -> None:
         """Report ``entry`` idle now, whatever the next batch would say (``ClientSeam.want``)."""
-        self.dirty[entry] = None
+        self.seam.dirty[entry] = None
         self.collect()
         self._wake_writer()
 
@@ -282,6 +280,7 @@ class Link:
 
     def _batch(self) -> list[dict[str, Any]]:
         """The next write (``Outlet``): the reports of what changed, then the messages posted."""
+        self.seam.waking = False  # (a mark from here on asks for the next batch)
         if self.error is not None:
             return []
         self.collect()
@@ -290,12 +289,12 @@ class Link:
 
     def collect(self) -> None:
         """Turn the entries marked since the last batch into reports of what changed."""
-        dirty = self.dirty
+        seam = self.seam
+        dirty = seam.dirty
         if not dirty:
             return
-        self.dirty = {}
+        seam.dirty = {}
         core = self.runner.core
-        seam = self.seam
         for entry in dirty:
             told = self.told.get(entry)
             if told is None:
@@ -448,7 +447,9 @@ class Link:
         assert stream is not None
         ended: list[BaseException] = []
         outlet = self.outlet = Outlet(stream, self._batch, wire.encode)
-        if self.outbox or self.dirty:
+        self.seam.waking = False  # (asked of the writer before, if at all)
+        if self.outbox or self.seam.dirty:
+            self.seam.waking = True
             outlet.soon()
         async with anyio.create_task_group() as tg:
 
@@ -473,7 +474,7 @@ class Link:
         settings = self.reconnect
         runner = self.runner
         self.online = False
-        self.outbox, self.dirty = [], {}  # (what the next daemon hears is ``register``'s)
+        self.outbox, self.seam.dirty = [], {}  # (what the next daemon hears is ``register``'s)
         if self._totals_wait is not None:
             self._totals_wait.set()
         self.questions.unanswered()
@@ -586,7 +587,7 @@ class Link:
         messages.extend({"op": "close", "cache": cache} for cache in closed)
         messages.append({"op": "registered"})
         self.outbox = messages
-        self.dirty = {}
+        self.seam.dirty = {}
         self.online = True
         self._wake_writer()
         return adopted

@@ -26,23 +26,30 @@ class ClientSeam:
     __slots__ = (
         "books",
         "charges",
+        "dirty",
         "due",
-        "mark",
         "moves",
         "offer",
         "offered",
         "reasons",
         "touched",
+        "wake",
+        "waking",
         "withdraw",
     )
 
     def __init__(
         self,
-        mark: Callable[[Entry], None],
+        wake: Callable[[], None],
         withdraw: Callable[[Entry], None],
         offer: Callable[[Entry], None],
     ) -> None:
-        self.mark = mark
+        #: The entries marked since the last batch (``Link.collect`` reports them).
+        self.dirty: dict[Entry, None] = {}
+        #: Have the next batch sent (``Link``): called at the first mark after a batch.
+        self.wake = wake
+        #: Whether the next batch was asked for since the last one (``wake``).
+        self.waking = False
         #: Called when every requester of a load left: the daemon must know now,
         #: before any later change of these books (not when the load task notices).
         self.withdraw = withdraw
@@ -73,7 +80,7 @@ class ClientSeam:
         next hit can fall in one batch): that moment is reported at once
         (``offered``) and a release asked for then is accepted, the entry
         going when its last lease ends. Leases that keep overlapping are
-        drained after ``FAIR_REQUESTS`` requests, as in-process (``drains``).
+        drained after ``FAIR_REQUESTS`` requests, as in-process (``leased``).
         """
         assert self.books is not None
         if (
@@ -84,6 +91,13 @@ class ClientSeam:
             and entry not in self.due
         ):
             self.due[entry] = self.books.tick + FAIR_REQUESTS
+
+    def mark(self, entry: Entry) -> None:
+        """Report ``entry`` in the next batch: the daemon's view of it may have to change."""
+        self.dirty[entry] = None
+        if not self.waking:
+            self.waking = True
+            self.wake()
 
     def untouch(self, entry: Entry) -> bool:
         """Whether ``entry`` was leased since the daemon was last told of it (then forgotten)."""
@@ -97,13 +111,27 @@ class ClientSeam:
     def changed(self, entry: Entry) -> None:
         self.mark(entry)
 
-    def leased(self, entry: Entry) -> None:
+    def leased(self, entry: Entry) -> bool:
+        # (``mark``, inlined: this is the hit path.)
         if entry.leases == 1:
             self.touched[entry] = None
-            self.mark(entry)
+            self.dirty[entry] = None
+            if not self.waking:
+                self.waking = True
+                self.wake()
+        due = self.due
+        if due and entry in due:  # (wanted: ``want``)
+            assert self.books is not None
+            if due[entry] <= self.books.tick:
+                del due[entry]
+                return True
+        return False
 
     def ended(self, entry: Entry) -> None:
-        self.mark(entry)
+        self.dirty[entry] = None  # (``mark``, inlined: this is the hit path)
+        if not self.waking:
+            self.waking = True
+            self.wake()
         if self.offered:
             self.offered.pop(entry, None)
         wanted = self.due and self.due.pop(entry, None) is not None
@@ -150,15 +178,6 @@ class ClientSeam:
 
     def wanted(self, entry: Entry) -> bool:
         return False  # (drained here: this process sees every lease)
-
-    def drains(self, entry: Entry) -> bool:
-        due = self.due
-        if due and entry in due:
-            assert self.books is not None
-            if due[entry] <= self.books.tick:
-                del due[entry]
-                return True
-        return False
 
     def lets_go(self, entry: Entry) -> bool:
         if entry in self.offered:

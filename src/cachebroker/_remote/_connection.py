@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Hashable
 from typing import Any, Protocol
 
 import anyio
@@ -202,7 +203,7 @@ class Connection:
         (``_move``) rather than release them.
         """
         block = await self.runner.open_block(
-            space.name, self._release, move=self._move if moves else None
+            space.name, self._release, move=self._move if moves else None, elsewhere=self
         )
         space.block = block
         self.daemon.owners[block.owner] = (self, cache)
@@ -325,21 +326,29 @@ class Connection:
             self.runner.core.park(entry, home)
             self.runner.apply()
 
-    async def _load(
-        self, mirror: _Mirror, space: str | None = None, *, grant: bool = True
-    ) -> dict[str, int]:
-        """The daemon's load of a process's entry: the grant, then the process's outcome.
+    def granted(self, key: Hashable, space: str | None) -> None:
+        """The daemon's books granted the load of ``key``: say so, in this step (``Elsewhere``).
 
-        ``space``: where these books placed it, as a loader given ``spaces=`` is
-        told; the grant tells the process. An adopted entry (``adopt``) was
-        granted by the daemon before this one.
+        ``space``: where they placed it (``spaces=``). An adopted entry
+        (``adopt``) was granted by the daemon before this one.
         """
-        if grant:
-            message: dict[str, Any] = {"op": "grant", "id": mirror.id}
-            if space is not None:
-                message["space"] = space
-            self.post(message)
+        mirror = self.mirrors.get(key.id) if isinstance(key, _Key) else None
+        if mirror is None:
+            return
         mirror.granted = True
+        if mirror.adopted:
+            mirror.adopted = False  # (its grant came from the daemon before this one)
+            return
+        message: dict[str, Any] = {"op": "grant", "id": mirror.id}
+        if space is not None:
+            message["space"] = space
+        self.post(message)
+
+    async def _load(self, mirror: _Mirror, space: str | None = None) -> dict[str, int]:
+        """The daemon's load of a process's entry, granted (``granted``): the process's outcome.
+
+        ``space``: where these books placed it, as a loader given ``spaces=`` is told.
+        """
         while mirror.state == "loading":
             await mirror.reported.wait()
         if mirror.charge is not None:
@@ -430,7 +439,7 @@ class Connection:
         if space is None or space.block is None or id in self.mirrors:
             raise ProtocolError(f"'adopt' of #{id} in cache {cache!r}, which is not open")
         mirror = self.mirrors[id] = _Mirror(id, key, space)
-        mirror.granted = True
+        mirror.granted = mirror.adopted = True
         mirror.state = state
         mirror.charge = None if state == "loading" else charge
         if state == "demoted":
@@ -445,7 +454,7 @@ class Connection:
         ticket = self.runner.adopt(
             space.block.owner,
             key,
-            functools.partial(self._load, mirror, grant=False),
+            functools.partial(self._load, mirror),
             _measured,
             charge,
             priority=priority,
@@ -632,9 +641,9 @@ class Connection:
             message["reason"] = reason.value
         self.post(message)
 
-    async def _release(self, key: _Key, value: object) -> None:
-        """The daemon's releaser for a process's entries: ask, and await the answer."""
-        mirror = self.mirrors.get(key.id)
+    def releasing(self, key: Hashable) -> None:
+        """The daemon's books release ``key``: ask the process, in this step (``Elsewhere``)."""
+        mirror = self.mirrors.get(key.id) if isinstance(key, _Key) else None
         if mirror is None:
             return
         if mirror.state in ("idle", "loading", "held", "demoted"):
@@ -642,6 +651,12 @@ class Connection:
             # the process then accepts to release at that lease's end)
             self._ask_release(mirror)
         mirror.asking, mirror.refused = True, False
+
+    async def _release(self, key: _Key, value: object) -> None:
+        """The daemon's releaser for a process's entries, asked (``releasing``): the answer."""
+        mirror = self.mirrors.get(key.id)
+        if mirror is None:
+            return
         try:
             while True:
                 state = mirror.state

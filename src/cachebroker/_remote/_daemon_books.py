@@ -118,8 +118,8 @@ class DaemonSeam:
     def changed(self, entry: Entry) -> None:
         pass
 
-    def leased(self, entry: Entry) -> None:
-        pass
+    def leased(self, entry: Entry) -> bool:
+        return False  # (the entry's process drains it: it sees every lease)
 
     def loaded(self, entry: Entry) -> None:
         pass
@@ -135,9 +135,6 @@ class DaemonSeam:
 
     def quarantined(self, entry: Entry) -> None:
         pass
-
-    def drains(self, entry: Entry) -> bool:
-        return False  # (the entry's process drains it: it sees every lease)
 
     def lets_go(self, entry: Entry) -> bool:
         return False

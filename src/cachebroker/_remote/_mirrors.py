@@ -57,6 +57,7 @@ class _Mirror:
     """The daemon's side of one entry of a connected process."""
 
     __slots__ = (
+        "adopted",
         "asking",
         "cancelled",
         "charge",
@@ -89,6 +90,8 @@ class _Mirror:
         #: The process's last report: ``loading`` until its load's outcome.
         self.state = "loading"
         self.granted = False
+        #: Registered again with this daemon (``adopt``): granted by the one before it.
+        self.adopted = False
         self.charge: dict[str, int] | None = None
         self.reason = Reason.CAPACITY
         self.error = ""

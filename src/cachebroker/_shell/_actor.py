@@ -28,7 +28,24 @@ from .._core import Core, Entry, Owner, Request
 from .._stats import EvictionReport
 from ._config import MoveFunction, ReleaseFunction
 
-__all__ = ["Actor", "Block"]
+__all__ = ["Actor", "Block", "Elsewhere"]
+
+
+class Elsewhere(Protocol):
+    """A block whose values live in another process, asked by message: the daemon's
+    side of a connected process's cache (``_remote._connection``).
+
+    The broker tells it in the very step that grants a load or starts a
+    release, so that its message leaves in that turn of the loop rather than
+    once the load's or release's task first runs; that task then only waits
+    for the process's answer (the block's loader, its releaser).
+    """
+
+    def granted(self, key: Hashable, space: str | None) -> None:
+        """The load of ``key`` has its bytes; ``space``: where, when its request placed it."""
+
+    def releasing(self, key: Hashable) -> None:
+        """The release of ``key`` starts (its releaser awaits the outcome)."""
 
 
 class Block:
@@ -42,6 +59,7 @@ class Block:
     __slots__ = (
         "closed",
         "context",
+        "elsewhere",
         "empty",
         "move",
         "name",
@@ -57,12 +75,15 @@ class Block:
         release: ReleaseFunction,
         tg: anyio.abc.TaskGroup,
         move: MoveFunction | None = None,
+        elsewhere: Elsewhere | None = None,
     ) -> None:
         self.owner = owner
         self.name = owner.name
         self.release = release
         #: The releaser's ``move(key, value, to)``, if it offers one (tiers).
         self.move = move
+        #: Told of its grants and releases at once, for values in another process.
+        self.elsewhere = elsewhere
         self.tg = tg
         #: Set once the block was left: no new request, nobody left to release.
         self.closed = False

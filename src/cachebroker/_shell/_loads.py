@@ -82,7 +82,15 @@ class Loads:
         cache = self._caches[entry.owner]
         if not self._remote.admits_elsewhere:
             self._granted(entry)
+            if cache.elsewhere is not None:  # (asked in this step: its loader only waits)
+                cache.elsewhere.granted(entry.key, self._space(entry))
         cache.spawn(self._run, entry, name=f"cachebroker load {cache.name}:{entry.key!r}")
+
+    def _space(self, entry: Entry) -> str | None:
+        """Where the books placed ``entry``, for a request that let them choose (``spaces=``)."""
+        if not entry.shell.placed:
+            return None
+        return self._steps.core.owner_space(entry, next(iter(entry.charge)))
 
     def _granted(self, entry: Entry) -> None:
         """``cachebroker.grant``: ``entry``'s bytes are its load's (the wait for space is over)."""
@@ -118,8 +126,8 @@ class Loads:
                     return
             if self._remote.admits_elsewhere:
                 self._granted(entry)
-            if slot.placed:  # the loader learns where (once granted), by the name it gave
-                space = steps.core.owner_space(entry, next(iter(entry.charge)))
+            space = self._space(entry)
+            if space is not None:  # the loader learns where (once granted), by the name it gave
                 slot.load = functools.partial(slot.load, space)
             steps.emit(
                 "info",

@@ -107,11 +107,23 @@ class Releases:
             reason=reason.value,
             bytes=dict(entry.charge),
         )
-        cache.spawn(self.run, cache, entry, name=f"cachebroker release {cache.name}:{entry.key!r}")
+        # (Read before the release can free anything, and before a process is asked.)
+        probed = self._probes.free_before(entry)
+        if cache.elsewhere is not None:  # (asked in this step: its releaser only waits)
+            cache.elsewhere.releasing(entry.key)
+        cache.spawn(
+            self.run, cache, entry, probed, name=f"cachebroker release {cache.name}:{entry.key!r}"
+        )
 
-    async def run(self, cache: Block, entry: Entry) -> None:
-        """Ask ``cache``'s releaser to free ``entry``, watched by ``release_timeout``."""
+    async def run(self, cache: Block, entry: Entry, probed: dict[str, int] | None = None) -> None:
+        """Ask ``cache``'s releaser to free ``entry``, watched by ``release_timeout``.
+
+        ``probed``: the memory probes' reading before the release (``Probes.free_before``),
+        read now if not given.
+        """
         steps = self._steps
+        if probed is None:
+            probed = self._probes.free_before(entry)
         slot: Slot = entry.shell
         timeout = steps.release_timeout
         watchdog = None
@@ -122,7 +134,6 @@ class Releases:
         task = steps.current_task()
         self.releasing_tasks.add(task)
         try:
-            probed = self._probes.free_before(entry)
             await self._released(cache, entry)
             if probed:
                 await self._probes.wait_for_memory(entry, probed)

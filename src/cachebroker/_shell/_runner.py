@@ -51,7 +51,7 @@ from .._errors import BrokerClosed, LeasesOutstanding
 from .._stats import EvictionReport
 from ..probes import Probe
 from . import _backend, _logging
-from ._actor import Block
+from ._actor import Block, Elsewhere
 from ._config import Listener, MoveFunction, ReleaseFunction
 from ._deadlines import Deadlines
 from ._loads import Loads
@@ -251,6 +251,7 @@ class Runner:
         priority: int = 0,
         ttl: float | None = None,
         move: MoveFunction | None = None,
+        elsewhere: Elsewhere | None = None,
     ) -> Block:
         """Open cache ``name``: its owner in the books (with its defaults), its task group."""
         owner = self.core.open_owner(
@@ -262,7 +263,7 @@ class Runner:
         except BaseException:
             self.core.forget_owner(owner)
             raise
-        cache = self._caches[owner] = Block(owner, release, tg, move)
+        cache = self._caches[owner] = Block(owner, release, tg, move, elsewhere)
         self.remote.cache_opened(name, move is not None)
         return cache
 

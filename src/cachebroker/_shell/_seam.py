@@ -23,7 +23,7 @@ import attrs
 
 from .._core import Core, Entry, Owner, Request, Ticket
 from .._errors import ReleaseFailed
-from ._actor import Block
+from ._actor import Block, Elsewhere
 from ._config import MoveFunction, ReleaseFunction
 from ._steps import Spawn, Steps
 
@@ -253,10 +253,16 @@ class Relay(Protocol):
         as in-process; the pairs of spaces it merged."""
 
     async def open_block(
-        self, name: str, release: ReleaseFunction, *, move: MoveFunction | None = None
+        self,
+        name: str,
+        release: ReleaseFunction,
+        *,
+        move: MoveFunction | None = None,
+        elsewhere: Elsewhere | None = None,
     ) -> Block:
         """Open the cache ``name`` of a process (its entries released through ``release``,
-        and moved between tiers through ``move``, when its releaser can)."""
+        and moved between tiers through ``move``, when its releaser can); ``elsewhere``
+        is told of its grants and releases in the step that decides them."""
 
     async def close_block(
         self,
