@@ -582,9 +582,9 @@ async def test_a_value_measured_above_the_budget_keeps_its_bytes_charged_until_r
                 async with one.cache("w", slow) as c1, two.cache("w", Plugin()) as c2:
                     with pytest.raises(cachebroker.RequestTooLarge):
                         await c1.acquire("x", load=value(b"x" * 1000), size=len)
-                    await until(lambda: bool(daemon.listing()["entries"]))
-                    # Its memory is still taken until its releaser returns: nobody
-                    # else is granted meanwhile.
+                    # Measured there, and said so: its memory is still taken until
+                    # its releaser returns, and nobody else is granted meanwhile.
+                    await until(lambda: used(daemon) == 1000)
                     with pytest.raises(cachebroker.AcquireTimeout):
                         await c2.acquire("y", load=value(2), size=50, timeout=0.2)
                     assert used(daemon) == 1000

@@ -249,13 +249,16 @@ class Connection:
             message, key, load=functools.partial(self._load, mirror), measure=_measured
         )
         self.mirrors[id] = mirror
-        assert self.tg is not None
         how = _How(
             urgent=bool(message.get("urgent")),
             counted=not message.get("prefetch"),
             releasing=bool(message.get("releasing")),
         )
-        self.tg.start_soon(self._acquire, mirror, request, how, held, loads)
+        if self.daemon.gate.is_set() and all(other.settled.is_set() for other in held):
+            self._ask(mirror, request, how, held, loads)  # (in this step: no task)
+        else:
+            assert self.tg is not None
+            self.tg.start_soon(self._acquire, mirror, request, how, held, loads)
 
     async def _acquire(
         self,
@@ -265,8 +268,8 @@ class Connection:
         holding: tuple[_Mirror, ...],
         loads: tuple[_Mirror, ...],
     ) -> None:
-        block = mirror.space.block
-        assert block is not None
+        """Ask for ``request`` once the daemon may grant it and the leases it is made
+        under have settled here."""
         with anyio.CancelScope() as scope:
             mirror.scope = scope
             if mirror.cancelled:  # (withdrawn before this task started: never asked)
@@ -282,37 +285,75 @@ class Connection:
             for other in holding:
                 if not other.settled.is_set():
                     await other.settled.wait()
-            held = tuple(other.entry for other in holding if other.entry is not None)
-            try:
-                entry, task = await self.runner.request(
-                    block.owner,
-                    request,
-                    urgent=how.urgent,
-                    held=held,
-                    loading=_loading(loads),
-                    counted=how.counted,
-                    releasing=how.releasing,
-                )
-            except Exception as exc:
-                loaded = block.owner.entries.get(mirror.key)
-                if loaded is not None and loaded.state in (State.RELEASING, State.READY):
-                    # Loaded there, refused here (measured too large, or not beside
-                    # quarantined bytes): its bytes stay charged until the process's
-                    # "gone"; one it holds already (the release refused) stays its entry.
-                    mirror.entry = loaded
-                    mirror.settled.set()
-                    self.reconcile(mirror)
-                    return
-                self.mirrors.pop(mirror.id, None)
-                mirror.settled.set()
-                if not mirror.cancelled:
-                    error = wire.encode_error(exc, self.names())
-                    self.post({"op": "fail", "id": mirror.id, "error": error})
-                return
+        mirror.scope = None
         if scope.cancelled_caught:
             mirror.settled.set()
             return
-        self._loaded(mirror, entry, task)
+        self._ask(mirror, request, how, holding, loads)
+
+    def _ask(
+        self,
+        mirror: _Mirror,
+        request: Request,
+        how: _How,
+        holding: tuple[_Mirror, ...],
+        loads: tuple[_Mirror, ...],
+    ) -> None:
+        """The daemon's request for ``mirror``, in this step; its outcome comes to
+        ``_outcome`` (no task waits for it)."""
+        block = mirror.space.block
+        assert block is not None
+        held = tuple(other.entry for other in holding if other.entry is not None)
+        try:
+            ticket = self.runner.submit(
+                block.owner,
+                request,
+                task=mirror,  # (each request of the process holds its own lease)
+                urgent=how.urgent,
+                held=held,
+                loading=_loading(loads),
+                counted=how.counted,
+                releasing=how.releasing,
+            )
+        except Exception as exc:
+            self._refused(mirror, exc)
+            return
+        mirror.ticket = ticket
+        self._outcome(mirror)
+
+    def _outcome(self, mirror: _Mirror) -> None:
+        """``mirror``'s request settled here (or is still pending: watched again)."""
+        ticket = mirror.ticket
+        if ticket is None:
+            return  # (withdrawn: ``cancel``)
+        outcome = ticket.outcome
+        if outcome is None:
+            ticket.entry.shell.watch(functools.partial(self._outcome, mirror))
+            return
+        mirror.ticket = None
+        if outcome is True:
+            self._loaded(mirror, ticket.entry, ticket.task)
+        else:
+            assert isinstance(outcome, BaseException)
+            self._refused(mirror, outcome)
+
+    def _refused(self, mirror: _Mirror, exc: BaseException) -> None:
+        """The daemon's books refused ``mirror``'s request (or its load failed)."""
+        block = mirror.space.block
+        loaded = None if block is None else block.owner.entries.get(mirror.key)
+        if loaded is not None and loaded.state in (State.RELEASING, State.READY):
+            # Loaded there, refused here (measured too large, or not beside
+            # quarantined bytes): its bytes stay charged until the process's
+            # "gone"; one it holds already (the release refused) stays its entry.
+            mirror.entry = loaded
+            mirror.settled.set()
+            self.reconcile(mirror)
+            return
+        self.mirrors.pop(mirror.id, None)
+        mirror.settled.set()
+        if not mirror.cancelled:
+            error = wire.encode_error(exc, self.names())
+            self.post({"op": "fail", "id": mirror.id, "error": error})
 
     def _loaded(self, mirror: _Mirror, entry: Entry, task: object) -> None:
         """``mirror``'s entry is in the books, leased to ``task`` until the process's report."""
@@ -481,6 +522,10 @@ class Connection:
             self.mirrors.pop(id, None)
             if mirror.scope is not None:
                 mirror.scope.cancel()
+            ticket, mirror.ticket = mirror.ticket, None
+            if ticket is not None:  # (asked, and not settled yet: withdrawn)
+                self.runner.core.leave(ticket)
+                self.runner.apply()
             mirror.settled.set()
             mirror.state = "gone"
             self._wake(mirror)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import anyio
 import attrs
 
-from .._core import Entry, Reason
+from .._core import Entry, Reason, Ticket
 from .._shell._actor import Block
 
 __all__ = ["_Holder", "_How", "_Key", "_Mirror", "_Space", "_loading", "_measured"]
@@ -79,6 +79,7 @@ class _Mirror:
         "settled",
         "space",
         "state",
+        "ticket",
         "touched",
         "wants_back",
     )
@@ -105,6 +106,8 @@ class _Mirror:
         self.held = False
         self.holder: object = None
         self.scope: anyio.CancelScope | None = None
+        #: The daemon's request for it while pending (``Connection._ask``).
+        self.ticket: Ticket | None = None
         self.cancelled = False
         #: While the daemon asks for its release (``_release``): whether the process
         #: reported it held since, which refuses the request even if it is idle again.

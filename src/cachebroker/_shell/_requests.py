@@ -62,8 +62,47 @@ class Requests:
         releasing: bool = False,
     ) -> tuple[Entry, object]:
         """``Runner.request``: the entry and the lease's holder."""
+        ticket = self.submit(
+            owner,
+            request,
+            urgent=urgent,
+            held=held,
+            bound=bound,
+            loading=loading,
+            counted=counted,
+            releasing=releasing,
+        )
+        if ticket.outcome is True:  # a hit
+            try:
+                await anyio.lowlevel.checkpoint()
+            except BaseException:  # cancelled here: nobody holds the lease but us
+                steps = self._steps
+                steps.core.lease_end(ticket.entry, ticket.task, steps.clock())
+                steps.apply()
+                raise
+            return ticket.entry, ticket.task
+        return await self._wait(ticket, request.timeout)
+
+    def submit(
+        self,
+        owner: Owner,
+        request: Request,
+        *,
+        task: object = None,
+        urgent: bool = False,
+        held: tuple[Entry, ...] | None = None,
+        bound: bool = True,
+        loading: tuple[Entry, ...] | None = None,
+        counted: bool = True,
+        releasing: bool = False,
+    ) -> Ticket:
+        """``Runner.submit``: ``request``'s step, its ticket settled (a hit) or pending.
+
+        ``task``: the lease's holder (by default, the current task).
+        """
         steps = self._steps
-        task = steps.current_task()
+        if task is None:
+            task = steps.current_task()
         core = steps.core
         name, key = owner.name, request.key
         self._before()
@@ -85,17 +124,11 @@ class Requests:
         if ticket.outcome is True:
             steps.apply()
             steps.log.debug(ev.HIT, cache=name, key=key)
-            try:
-                await anyio.lowlevel.checkpoint()
-            except BaseException:  # cancelled here: nobody holds the lease but us
-                core.lease_end(entry, task, steps.clock())
-                steps.apply()
-                raise
-            return entry, task
+            return ticket
         if entry.state is State.READY:  # waits for a lease slot
             steps.log.debug(ev.WAIT_LEASE, cache=name, key=key, concurrency=entry.slots)
             steps.apply()
-            return await self._wait(ticket, request.timeout)
+            return ticket
         if entry.shell is None:
             entry.shell = self._slot(request)
             # (Granted here, it may still wait for another broker's grant, which is
@@ -106,7 +139,7 @@ class Requests:
             steps.log.debug(ev.WAIT, cache=name, key=key, bytes=entry.need)
             self._sweeper.waiting()
         steps.apply()
-        return await self._wait(ticket, request.timeout)
+        return ticket
 
     def _slot(self, request: Request) -> Slot:
         """The shell's half of a new entry: its loader and measure, from ``request``."""

@@ -399,6 +399,7 @@ class Runner:
     def apply(self) -> None:
         """Perform the effects queued by the core's last steps (never awaits)."""
         core = self.core
+        watching: list[Callable[[], None]] = []
         while core.effects:
             effects, core.effects = core.effects, []
             for effect in effects:
@@ -408,6 +409,9 @@ class Runner:
                         slot.done.set()
                         if entry.joiners:  # one requester was refused alone: the rest wait on
                             slot.done = anyio.Event()
+                        if slot.watchers:
+                            watching += slot.watchers
+                            slot.watchers = []
                     case StartLoad(entry):
                         self.loads.start(entry)
                     case StartRelease(entry, reason):
@@ -424,6 +428,8 @@ class Runner:
                             cache.empty.set()
                     case _:
                         assert_never(effect)
+        for callback in watching:  # (the books are as these effects left them)
+            callback()
 
     def _quarantined(self, entry: Entry) -> None:
         """``Quarantined``: say that ``entry``'s release (or move) failed."""
@@ -471,6 +477,33 @@ class Runner:
             urgent=urgent,
             held=held,
             bound=bound,
+            loading=loading,
+            counted=counted,
+            releasing=releasing,
+        )
+
+    def submit(
+        self,
+        owner: Owner,
+        request: Request,
+        *,
+        task: object,
+        urgent: bool = False,
+        held: tuple[Entry, ...] | None = None,
+        loading: tuple[Entry, ...] | None = None,
+        counted: bool = True,
+        releasing: bool = False,
+    ) -> Ticket:
+        """``request``'s step, in this step (``Requests.submit``): its ticket, settled
+        or pending. The broker that serves other processes relays a request with no
+        task waiting for it: ``task`` holds the lease, and a watcher
+        (``entry.shell.watch``) hears the ticket's outcome."""
+        return self.requests.submit(
+            owner,
+            request,
+            task=task,
+            urgent=urgent,
+            held=held,
             loading=loading,
             counted=counted,
             releasing=releasing,

@@ -290,6 +290,21 @@ class Relay(Protocol):
         ``releasing``: made by a release (or a move) there, it is refused rather than
         made to wait (``DeadlockError``), as in-process."""
 
+    def submit(
+        self,
+        owner: Owner,
+        request: Request,
+        *,
+        task: object,
+        urgent: bool = False,
+        held: tuple[Entry, ...] | None = None,
+        loading: tuple[Entry, ...] | None = None,
+        counted: bool = True,
+        releasing: bool = False,
+    ) -> Ticket:
+        """As ``request``, in this step and with no wait: the ticket, settled or pending;
+        ``task`` holds its lease, and ``entry.shell.watch`` hears its outcome."""
+
     def adopt(
         self,
         owner: Owner,

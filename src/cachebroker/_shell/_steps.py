@@ -100,6 +100,7 @@ class Slot:
         "scope",
         "thread_wait",
         "timed_out",
+        "watchers",
     )
 
     def __init__(
@@ -118,6 +119,8 @@ class Slot:
         self.placed = placed
         self.measure = measure
         self.done = anyio.Event()
+        #: Called once after the step that next settles a requester (``watch``).
+        self.watchers: list[Callable[[], None]] = []
         self.released: anyio.Event | None = None
         self.scope: anyio.CancelScope | None = None
         self.cancelled = False
@@ -136,6 +139,11 @@ class Slot:
         #: Why its release was asked (a shared broker tells the owning process).
         self.release_reason: Reason | None = None
         self.timed_out = False
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the step that next settles a requester of the entry
+        (granted, refused, or its load failed) has been applied: a waiter with no task."""
+        self.watchers.append(callback)
 
 
 def since(clock: Callable[[], float], start: float) -> float:
