@@ -391,7 +391,7 @@ class Connection:
         ``space``: where these books placed it, as a loader given ``spaces=`` is told.
         """
         while mirror.state == "loading":
-            await mirror.reported.wait()
+            await mirror.next_report()
         if mirror.charge is not None:
             return mirror.charge
         if mirror.state == "gone":  # the load failed (or was given up) and made nothing
@@ -674,8 +674,9 @@ class Connection:
                 self.runner.note_idle(entry)
 
     def _wake(self, mirror: _Mirror) -> None:
-        mirror.reported.set()
-        mirror.reported = anyio.Event()
+        event, mirror.reported = mirror.reported, None
+        if event is not None:  # (made by a wait: ``_Mirror.next_report``)
+            event.set()
 
     def _ask_release(self, mirror: _Mirror) -> None:
         """Ask the process to release ``mirror``'s entry, saying why (its stats count it so)."""
@@ -730,7 +731,7 @@ class Connection:
                     # looked: the process will not release it unless asked again.
                     mirror.refused = False
                     self._ask_release(mirror)
-                await mirror.reported.wait()
+                await mirror.next_report()
         finally:
             mirror.asking = False
             self._wake(mirror)  # (a promotion waits for the release to be refused)
@@ -775,7 +776,7 @@ class Connection:
                 elif state in _LETTING_GO:
                     self.runner.core.let_go(entry, mirror.reason)
                 raise _Refused(holder, functools.partial(self.reconcile, mirror))
-            await mirror.reported.wait()
+            await mirror.next_report()
 
     def _ask_move(self, mirror: _Mirror, to: str, entry: Entry) -> None:
         mirror.moved = None  # (what the process answers to this ask)

@@ -99,8 +99,8 @@ class _Mirror:
         #: How many times the process has loaded this key (it says so with the
         #: load's outcome; ``None`` from a process that does not).
         self.loads: int | None = None
-        #: Set (and renewed) at each report: what a load or a release waits on.
-        self.reported = anyio.Event()
+        #: Set at the next report, while a load, a release or a move waits for one.
+        self.reported: anyio.Event | None = None
         #: The daemon's entry once granted and loaded, and whether (and by whom) it is leased.
         self.entry: Entry | None = None
         self.held = False
@@ -128,6 +128,12 @@ class _Mirror:
         #: Where an entry the process holds demoted was loaded (``adopt``, or the
         #: outcome of a move under way when it was adopted): parked once booked.
         self.home: dict[str, int] | None = None
+
+    async def next_report(self) -> None:
+        """Wait for the process's next report of it (or for its end)."""
+        if self.reported is None:
+            self.reported = anyio.Event()
+        await self.reported.wait()
 
 
 class _Space:
