@@ -296,3 +296,46 @@ async def test_ps_shows_moves_demoted_entries_and_placements_of_every_process() 
     rows = {line.split()[2]: line for line in table.splitlines() if line.split()[2:3]}
     assert rows["'a'"].endswith("home gpu") and "demoted" in rows["'a'"]
     assert rows["'p'"].endswith("of gpu|g1") and rows["'b'"].endswith("-")
+
+
+async def test_a_move_that_ends_after_release_timeout_is_released_through_its_process() -> None:
+    """A move down the daemon asked for runs past the daemon's ``release_timeout``
+    (quarantined, both charges held); once it ends there, the daemon releases the
+    moved value through the process (``Releases._release_late_move``): it must ask
+    the process, and both charges come back, so another process's request fits."""
+    async with serving(budget=BUDGET, tiers=TIERS, release_timeout=30) as daemon:
+        mover = Mover()
+        mover.gate = anyio.Event()
+        async with (
+            Broker.connect(daemon.address) as one,
+            one.cache("w", mover) as c1,
+            Broker.connect(daemon.address) as two,
+            two.cache("v", Releaser()) as c2,
+        ):
+            # (the processes took 30 s: only the daemon's watchdog fires)
+            daemon.runner.release_timeout = 0.2  # type: ignore[misc]
+            async with c1.acquire("a", load=value("a@gpu"), size={"gpu": 60}):
+                pass
+            outcome: list[Any] = []
+
+            async def want_b() -> None:
+                try:
+                    async with c2.acquire("b", load=value("b@gpu"), size={"gpu": 60}) as lease:
+                        outcome.append(lease.value)
+                except Exception as exc:  # (refused while a is quarantined: fine)
+                    outcome.append(type(exc).__name__)
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(want_b)
+                    await mover.started.wait()
+                    # The daemon's watchdog quarantines the move (it runs on there).
+                    await until(lambda: bool(daemon.runner.core.quarantined))
+                    mover.gate.set()  # it ends there: the daemon releases what it moved
+            # The daemon asks the process to release the late-moved value; both
+            # charges come back.
+            await until(lambda: mover.released == ["a"])
+            await until(lambda: all(key != "'a'" for key, *_ in listed(daemon)))
+            async with c2.acquire("b2", load=value("B"), size={"gpu": 60}, timeout=5) as lease:
+                assert lease.value == "B"
+            daemon.runner.core.check()

@@ -21,6 +21,7 @@ from .. import _log_events as ev
 from .._core import Entry, Reason, Request, State, Ticket
 from .._errors import LeasesOutstanding, LoadFailed, ReleaseFailed
 from .._shell._seam import Relay
+from . import _answers
 from . import _protocol as wire
 from ._daemon_books import _FailedThere, _Refused, pin
 from ._mirrors import _Holder, _How, _Key, _loading, _measured, _Mirror, _Space
@@ -67,6 +68,9 @@ class Host(Protocol):
     #: The processes the reconnection gate waits for, by pid; set once none is left.
     expected: set[int]
     gate: anyio.Event
+    #: How many acquires wait in a task to be asked (``Connection._acquire``): while
+    #: any does, a new one waits behind it, so that they are asked in order.
+    behind: int
 
     def note_peer(self, connection: Connection) -> None: ...
     def forget_peer(self, connection: Connection) -> None: ...
@@ -151,9 +155,9 @@ class Connection:
         elif op == "registered":
             self.daemon.registered(self)
         elif op == "why":
-            self.why(wire.field(message, "id", int))
+            _answers.why(self, wire.field(message, "id", int))
         elif op == "free":
-            self.free(wire.field(message, "id", int))
+            _answers.free(self, wire.field(message, "id", int))
         elif op == "cancel":
             if message.get("promote"):
                 self.call_off(wire.field(message, "id", int))
@@ -162,9 +166,9 @@ class Connection:
         elif op == "moved":
             self.moved(message)
         elif op == "evidence":
-            self.evidence(message)
+            _answers.evidence(self, message)
         elif op == "aliases":
-            self.aliases(message)
+            _answers.aliases(self, message)
         elif op == "promote":
             self.promote(message)
         elif op == "open":
@@ -254,7 +258,11 @@ class Connection:
             counted=not message.get("prefetch"),
             releasing=bool(message.get("releasing")),
         )
-        if self.daemon.gate.is_set() and all(other.settled.is_set() for other in held):
+        if (
+            self.daemon.gate.is_set()
+            and not self.daemon.behind
+            and all(other.settled.is_set() for other in held)
+        ):
             self._ask(mirror, request, how, held, loads)  # (in this step: no task)
         else:
             assert self.tg is not None
@@ -269,22 +277,26 @@ class Connection:
         loads: tuple[_Mirror, ...],
     ) -> None:
         """Ask for ``request`` once the daemon may grant it and the leases it is made
-        under have settled here."""
-        with anyio.CancelScope() as scope:
-            mirror.scope = scope
-            if mirror.cancelled:  # (withdrawn before this task started: never asked)
-                scope.cancel()
-                await anyio.lowlevel.checkpoint()
-            # A restarted daemon grants nothing until the processes of the one
-            # before it have said what they hold (``Daemon.gate``).
-            if not self.daemon.gate.is_set():
-                await self.daemon.gate.wait()
-            # The entries the requesting task leases may still be settling here
-            # (their loads' reports came in the same batch): wait for them, so
-            # that a request only those leases could make room for is refused.
-            for other in holding:
-                if not other.settled.is_set():
-                    await other.settled.wait()
+        under have settled here; meanwhile later acquires line up behind (``Host.behind``)."""
+        self.daemon.behind += 1
+        try:
+            with anyio.CancelScope() as scope:
+                mirror.scope = scope
+                if mirror.cancelled:  # (withdrawn before this task started: never asked)
+                    scope.cancel()
+                    await anyio.lowlevel.checkpoint()
+                # A restarted daemon grants nothing until the processes of the one
+                # before it have said what they hold (``Daemon.gate``).
+                if not self.daemon.gate.is_set():
+                    await self.daemon.gate.wait()
+                # The entries the requesting task leases may still be settling here
+                # (their loads' reports came in the same batch): wait for them, so
+                # that a request only those leases could make room for is refused.
+                for other in holding:
+                    if not other.settled.is_set():
+                        await other.settled.wait()
+        finally:
+            self.daemon.behind -= 1
         mirror.scope = None
         if scope.cancelled_caught:
             mirror.settled.set()
@@ -410,52 +422,11 @@ class Connection:
             if connection is self
         }
 
-    def _entry_of(self, id: int) -> Entry | None:
+    def entry_of(self, id: int) -> Entry | None:
         """The daemon's entry of this process's request ``id`` (``None``: none here)."""
         mirror = self.mirrors.get(id)
         block = None if mirror is None else mirror.space.block
         return None if mirror is None or block is None else block.owner.entries.get(mirror.key)
-
-    def why(self, id: int) -> None:
-        """Say why request ``id`` has no room yet, in the books' words (``Core.why_no_room``)."""
-        entry = self._entry_of(id)
-        text = None
-        if entry is not None and entry.state is State.WAITING and entry.need:
-            text = wire.rename(self.runner.core.why_no_room(entry), self.names())
-        self.post({"op": "why", "id": id, "text": text})
-
-    def free(self, id: int) -> None:
-        """Load ``id`` ran out of memory there: free the next victims in the daemon's
-        books (idle entries of any process, in the policy's order, ``Core.free_for_retry``),
-        and answer ``freed`` once their releases ended. Nothing to free (or no such
-        load here): no victims, and the process's load fails with ``OutOfSpace``."""
-        entry = self._entry_of(id)
-        victims: list[Entry] = []
-        if entry is not None and entry.state is State.LOADING:
-            victims = self.runner.core.free_for_retry(entry)
-            self.runner.apply()
-        names = self.names()
-        named = [
-            (
-                names.get(v.owner.name, v.owner.name),
-                repr(v.key),
-                v.key.id if isinstance(v.key, _Key) and v.owner.name in names else None,
-            )
-            for v in victims
-        ]
-        answer = {
-            "op": "freed",
-            "id": id,
-            **wire.encode_freed(named, {name for victim in victims for name in victim.charge}),
-        }
-        released = [v.shell.released for v in victims if v.shell.released is not None]
-        assert self.tg is not None
-        self.tg.start_soon(self._freed, answer, released)
-
-    async def _freed(self, answer: dict[str, Any], released: list[anyio.Event]) -> None:
-        for event in released:
-            await event.wait()
-        self.post(answer)
 
     def adopt(self, message: dict[str, Any]) -> None:
         """An entry the process holds since before this daemon started (``register``).
@@ -680,7 +651,8 @@ class Connection:
 
     def _ask_release(self, mirror: _Mirror) -> None:
         """Ask the process to release ``mirror``'s entry, saying why (its stats count it so)."""
-        entry = mirror.entry
+        # (Released in the step of its load's outcome, it is not ``mirror.entry`` yet.)
+        entry = mirror.entry if mirror.entry is not None else self.entry_of(mirror.id)
         reason = None if entry is None else entry.shell.release_reason
         message: dict[str, Any] = {"op": "release", "id": mirror.id}
         if reason is not None:
@@ -786,51 +758,6 @@ class Connection:
         if entry.promoting:  # (the grant of its ``promote``)
             message["up"] = True
         self.post(message)
-
-    def evidence(self, message: dict[str, Any]) -> None:
-        """Load ``id`` fit only after freeing in ``freed`` (free and retry): evidence that
-        ``freed`` and ``loaded`` are one memory, noted in the daemon's books; spaces it
-        merges are merged in every process's books too (``Daemon.tell_aliases``)."""
-        spaces = self.runner.core.spaces
-        named: dict[str, list[str]] = {}
-        for field in ("freed", "loaded"):
-            value = message.get(field)
-            if not isinstance(value, list) or not all(
-                isinstance(name, str) and name in spaces for name in value
-            ):
-                raise ProtocolError(f"'evidence' message: {field!r} is {wire.shown(value)}")
-            named[field] = value
-        mirror = self.mirrors.get(wire.field(message, "id", int))
-        cache = mirror.space.name if mirror is not None else f"?@{self.pid}"
-        key: object = mirror.key if mirror is not None else None
-        if self.runner.learn_aliases(named["freed"], named["loaded"], cache, key):
-            self.daemon.tell_aliases(cache=cache, key=repr(key))
-
-    def aliases(self, message: dict[str, Any]) -> None:
-        """The process's books know spaces to be one memory (a daemon before this one
-        learned it): so do the daemon's books, and every process's."""
-        core = self.runner.core
-        merged = False
-        for keep, other in wire.decode_aliases(message, core.spaces):
-            if core.canon.get(keep, keep) == core.canon.get(other, other):
-                continue
-            found = core.merged_circle(keep, other)
-            if found is not None:  # (the daemon's tiers would go round in a circle)
-                self.runner.emit(
-                    "warning",
-                    ev.ALIAS_REFUSED,
-                    spaces=[keep, other],
-                    circle=list(found),
-                    evidence=None,
-                    cache=f"?@{self.pid}",
-                    key=None,
-                )
-                continue
-            core.merge_spaces(keep, other)
-            merged = True
-        self.runner.apply()
-        if merged:
-            self.daemon.tell_aliases(pid=self.pid)
 
     def moved(self, message: dict[str, Any]) -> None:
         """How a move the daemon asked for ended in the process (``_move`` awaits it)."""

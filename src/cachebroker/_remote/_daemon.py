@@ -133,6 +133,8 @@ class Daemon:
         self.grace = float(grace)
         #: Set once requests may be granted (``run``).
         self.gate = anyio.Event()
+        #: Acquires waiting in a task to be asked (``Host.behind``).
+        self.behind = 0
         #: The previous daemon's processes, still alive, that have not registered yet.
         self.expected: set[int] = set()
         #: The pids in the peers file as last written (``None``: not written yet).

@@ -109,8 +109,7 @@ class Releases:
         )
         # (Read before the release can free anything, and before a process is asked.)
         probed = self._probes.free_before(entry)
-        if cache.elsewhere is not None:  # (asked in this step: its releaser only waits)
-            cache.elsewhere.releasing(entry.key)
+        _ask_elsewhere(cache, entry)
         cache.spawn(
             self.run, cache, entry, probed, name=f"cachebroker release {cache.name}:{entry.key!r}"
         )
@@ -440,6 +439,7 @@ class Releases:
         slot: Slot = entry.shell
         slot.released = anyio.Event()
         entry.value = value
+        _ask_elsewhere(cache, entry)
         try:
             await self._released(cache, entry)
         except BaseException as exc:
@@ -569,3 +569,10 @@ class _TimedSteps:
                 value, error = (yield yielded), None
             except BaseException as exc:  # (cancellation too: the coroutine gets it)
                 value, error = None, exc
+
+
+def _ask_elsewhere(cache: Block, entry: Entry) -> None:
+    """Ask a block whose values live in another process to release ``entry``, in this
+    step (``Elsewhere``): its releaser then only waits for the outcome."""
+    if cache.elsewhere is not None:
+        cache.elsewhere.releasing(entry.key)
