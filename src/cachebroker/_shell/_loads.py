@@ -420,7 +420,7 @@ class Loads:
         value = call.value
         if call.error is None and not inspect.isawaitable(value):
             entry.value = value
-            await self._releases.run(cache, entry)
+            await self._releases.run(cache, entry, self._releases.prepare(cache, entry))
             return
         # Nothing was made (the loader raised, or handed back an awaitable that
         # nobody will run): nothing is left to free.

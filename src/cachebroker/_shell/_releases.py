@@ -107,22 +107,25 @@ class Releases:
             reason=reason.value,
             bytes=dict(entry.charge),
         )
-        # (Read before the release can free anything, and before a process is asked.)
-        probed = self._probes.free_before(entry)
-        _ask_elsewhere(cache, entry)
+        probed = self.prepare(cache, entry)
         cache.spawn(
             self.run, cache, entry, probed, name=f"cachebroker release {cache.name}:{entry.key!r}"
         )
 
-    async def run(self, cache: Block, entry: Entry, probed: dict[str, int] | None = None) -> None:
+    def prepare(self, cache: Block, entry: Entry) -> dict[str, int]:
+        """In the step that starts ``entry``'s release: read the memory probes before the
+        release can free anything (``Probes.free_before``), then ask a block whose values
+        live in another process (``Elsewhere``); ``run`` takes the reading."""
+        probed = self._probes.free_before(entry)
+        _ask_elsewhere(cache, entry)
+        return probed
+
+    async def run(self, cache: Block, entry: Entry, probed: dict[str, int]) -> None:
         """Ask ``cache``'s releaser to free ``entry``, watched by ``release_timeout``.
 
-        ``probed``: the memory probes' reading before the release (``Probes.free_before``),
-        read now if not given.
+        ``probed``: the memory probes' reading before the release (``prepare``).
         """
         steps = self._steps
-        if probed is None:
-            probed = self._probes.free_before(entry)
         slot: Slot = entry.shell
         timeout = steps.release_timeout
         watchdog = None
