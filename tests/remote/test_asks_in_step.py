@@ -109,32 +109,3 @@ async def test_a_request_pending_when_its_daemon_stops_is_asked_again_of_the_nex
                     await held.release()
             assert got == ["K"]
             second.runner.core.check()
-
-
-async def test_a_value_refused_beside_quarantined_bytes_is_released_there_as_rejected() -> None:
-    """Measured after its load, x does not fit beside a failed release's bytes: the
-    daemon's ``load_done`` fails its requester and starts its release (``rejected``)
-    in one step. The ``release`` it posts in that step (``Elsewhere.releasing``) comes
-    before the watcher that sets the mirror's entry (``_refused``): it must still say
-    why, so that the process counts the release as rejected."""
-
-    class Failing(Plugin):
-        async def release(self, key: Any, value: Any) -> None:
-            raise RuntimeError("cannot free")
-
-    async with serving() as daemon:
-        async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
-            first = Plugin()
-            async with one.cache("w", first) as c1, two.cache("q", Failing()) as c2:
-                async with c2.acquire("q", load=value("Q"), size=80):
-                    pass
-                assert await c2.invalidate("q")
-                await until(lambda: bool(daemon.runner.core.quarantined))
-                async with c1.acquire("x", load=value(b"x" * 30), size=len) as lease:
-                    assert lease.value == b"x" * 30
-                await until(lambda: first.released == ["x"])
-                stats = await one.stats()
-                assert stats.releases.get("rejected") == 1, stats.releases
-                assert await two.forget("q", "q") == 1
-                await until(lambda: used(daemon) == 0)
-                daemon.runner.core.check()

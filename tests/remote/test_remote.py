@@ -942,19 +942,22 @@ async def test_a_daemon_gone_mid_grant_mid_load_and_mid_release_then_served_agai
         shutil.rmtree(directory, ignore_errors=True)
 
 
+class _Unfreeing(Plugin):
+    """A releaser that always raises: its entries are quarantined."""
+
+    async def release(self, key: Any, value: Any) -> None:
+        raise RuntimeError("cannot free")
+
+
 async def test_a_value_the_daemon_cannot_fit_beside_quarantined_bytes_stays_on_its_books() -> None:
     # Measured after its load (its size unknown before), x fits the budget but not
     # beside the bytes of a failed release: the daemon refuses it, though the
     # process has already handed it out. Its bytes must stay on the daemon's
     # books while the process holds it, and follow it out.
-    class Failing(Plugin):
-        async def release(self, key: Any, value: Any) -> None:
-            raise RuntimeError("cannot free")
-
     async with serving() as daemon:
         async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
             first = Plugin()
-            async with one.cache("w", first) as c1, two.cache("q", Failing()) as c2:
+            async with one.cache("w", first) as c1, two.cache("q", _Unfreeing()) as c2:
                 async with c2.acquire("q", load=value("Q"), size=80):
                     pass
                 assert await c2.invalidate("q")
@@ -970,6 +973,31 @@ async def test_a_value_the_daemon_cannot_fit_beside_quarantined_bytes_stays_on_i
                 await until(lambda: used(daemon) == 0)
                 settled(daemon)
         await empty(daemon)
+
+
+async def test_a_value_refused_beside_quarantined_bytes_is_released_there_as_rejected() -> None:
+    """Measured after its load, x does not fit beside a failed release's bytes: the
+    daemon's ``load_done`` fails its requester and starts its release (``rejected``)
+    in one step. The ``release`` it posts in that step (``Elsewhere.releasing``) comes
+    before the watcher that sets the mirror's entry (``_refused``): it must still say
+    why, so that the process counts the release as rejected."""
+
+    async with serving() as daemon:
+        async with Broker.connect(daemon.address) as one, Broker.connect(daemon.address) as two:
+            first = Plugin()
+            async with one.cache("w", first) as c1, two.cache("q", _Unfreeing()) as c2:
+                async with c2.acquire("q", load=value("Q"), size=80):
+                    pass
+                assert await c2.invalidate("q")
+                await until(lambda: bool(daemon.runner.core.quarantined))
+                async with c1.acquire("x", load=value(b"x" * 30), size=len) as lease:
+                    assert lease.value == b"x" * 30
+                await until(lambda: first.released == ["x"])
+                stats = await one.stats()
+                assert stats.releases.get("rejected") == 1, stats.releases
+                assert await two.forget("q", "q") == 1
+                await until(lambda: used(daemon) == 0)
+                daemon.runner.core.check()
 
 
 async def test_concurrent_stats_each_get_the_daemons_totals_without_waiting_out_a_timeout() -> None:
