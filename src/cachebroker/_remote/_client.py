@@ -446,7 +446,7 @@ class Link:
         stream = self.stream
         assert stream is not None
         ended: list[BaseException] = []
-        outlet = self.outlet = Outlet(stream, self._batch, wire.encode)
+        outlet = self.outlet = Outlet(stream, self._batch, wire.encode, self.runner.at_step_end)
         self.seam.waking = False  # (asked of the writer before, if at all)
         if self.outbox or self.seam.dirty:
             self.seam.waking = True

@@ -107,14 +107,14 @@ class Connection:
         self.opened: list[_Space] = []
         self.mirrors: dict[int, _Mirror] = {}
         self.outbox: list[dict[str, Any]] = []
-        #: Writes what was posted, one batch per turn of the loop.
-        self.outlet = Outlet(stream, self._batch, wire.encode)
+        #: Writes what was posted, one batch per step of the books.
+        self.outlet = Outlet(stream, self._batch, wire.encode, self.runner.at_step_end)
         self.tg: anyio.abc.TaskGroup | None = None
         #: The level of its ``peer.connected`` and ``peer.gone`` (debug for ``cachebroker ps``).
         self.level = "info"
 
     def post(self, message: dict[str, Any]) -> None:
-        """Queue ``message``: it leaves with what else this turn of the loop posts."""
+        """Queue ``message``: it leaves with what else this step posts (``Outlet.soon``)."""
         self.outbox.append(message)
         self.outlet.soon()
 

@@ -309,25 +309,32 @@ class Frames:
 
 
 class Outlet:
-    """Sends what its owner has for the peer: one write per batch, by one writer task.
+    """Sends what its owner has for the peer: one write per batch.
 
-    ``soon()`` asks the writer (``run``) for a write of what ``batch()``
-    returns (each message encoded by ``encode``, all in one write), so that
-    what one turn of the loop decides leaves together. Into one of this
-    module's streams (asyncio) the write goes straight into the transport, and
-    the writer waits for the next batch at once; ``unsent`` then counts the
-    messages written and not yet out of this process (the peer does not
-    read). ``written()`` waits for a write to end.
+    ``soon()`` asks for a write of what ``batch()`` returns (each message
+    encoded by ``encode``, all in one write), so that what one step decides
+    leaves together. Into one of this module's streams (asyncio) the write
+    goes straight into the transport, where nothing waits: at the end of the
+    step that asked (``at_step_end``: ``Runner.at_step_end``), or else from
+    the writer task (``run``) in the loop's next turn; ``unsent`` then counts
+    the messages written and not yet out of this process (the peer does not
+    read). Into any other stream (trio's) the writer sends each batch. Only
+    a live writer's outlet writes: once the writer is cancelled (the
+    connection ends, its broker stops) nothing more leaves. ``written()``
+    waits for a write to end.
     """
 
     __slots__ = (
         "_asked",
+        "_at_step_end",
         "_batch",
         "_encode",
+        "_failure",
         "_stream",
         "_transport",
         "_wake",
         "_watched",
+        "_writer",
         "_written",
         "open",
         "unsent",
@@ -338,12 +345,18 @@ class Outlet:
         stream: anyio.abc.ByteSendStream,
         batch: Callable[[], Sequence[Mapping[str, Any]]],
         encode: Callable[[Mapping[str, Any]], bytes],
+        at_step_end: Callable[[Callable[[], None]], bool] | None = None,
     ) -> None:
         self._stream = stream
         self._batch = batch
         self._encode = encode
         self._transport = stream if isinstance(stream, _TransportStream) else None
+        self._at_step_end = at_step_end if self._transport is not None else None
+        #: The writer's task, while it runs (asyncio).
+        self._writer: asyncio.Task[Any] | None = None
         self._asked = False
+        #: What failed a write in ``flush``: the writer raises it.
+        self._failure: Exception | None = None
         self._wake = anyio.Event()
         self._written = anyio.Event()
         self._watched = False
@@ -355,10 +368,45 @@ class Outlet:
             self._transport._protocol.on_written = self._out
 
     def soon(self) -> None:
-        """Have the writer write what ``batch()`` returns once this task waits."""
-        if not self._asked and self.open:
-            self._asked = True
+        """Have what ``batch()`` returns written at the end of this step, or soon after."""
+        if self._asked or not self.open:
+            return
+        self._asked = True
+        if self._at_step_end is None or not self._at_step_end(self.flush):
             self._wake.set()
+
+    def flush(self) -> None:
+        """Write what ``soon()`` asked for into the transport now, or have the writer
+        do it (or end on what ended the connection): never awaits, never raises."""
+        writer = self._writer
+        stream = self._transport
+        if not self._asked:
+            return
+        if (
+            writer is None
+            or writer.cancelling()
+            or stream is None
+            or stream._closed
+            or stream._transport.is_closing()
+        ):
+            self._wake.set()
+            return
+        try:
+            self._write(stream)
+        except Exception as exc:
+            self._failure = exc
+            self._wake.set()
+
+    def _write(self, stream: _TransportStream) -> None:
+        """Write the next batch into ``stream``'s transport (nothing waits there)."""
+        self._asked = False
+        messages = self._batch()
+        if messages:
+            stream._check_open()
+            stream._transport.write(b"".join(map(self._encode, messages)))
+            if not stream._protocol.writable.is_set():
+                self.unsent += len(messages)  # (out once the transport's buffer is)
+        self._notify()
 
     async def written(self) -> None:
         """Wait for the next write to end (or for the connection's end)."""
@@ -374,33 +422,33 @@ class Outlet:
         """The writer, until the connection ends (or this task is cancelled): raises
         what failed a write (``anyio.BrokenResourceError`` and the like)."""
         stream = self._transport
+        if stream is not None:
+            self._writer = asyncio.current_task()
         try:
             while True:
                 await self._wake.wait()
                 self._wake = anyio.Event()
+                if stream is not None:
+                    if self._failure is not None:
+                        raise self._failure
+                    self._write(stream)
+                    # One turn of the loop before the writer waits again, as a send
+                    # takes: the loop reads what was written to a peer in this same
+                    # loop (a daemon in it) before every task here waits.
+                    await anyio.lowlevel.cancel_shielded_checkpoint()
+                    continue
                 self._asked = False
                 messages = self._batch()
-                if not messages:
-                    self._notify()  # (nothing to write: a ``drain`` is over)
-                    continue
-                data = b"".join(map(self._encode, messages))
-                if stream is None:
+                if messages:
+                    data = b"".join(map(self._encode, messages))
                     self.unsent = len(messages)
                     try:
                         await self._stream.send(data)
                     finally:
                         self.unsent = 0
-                else:
-                    stream._check_open()
-                    stream._transport.write(data)  # (no wait: the next batch may come)
-                    if not stream._protocol.writable.is_set():
-                        self.unsent += len(messages)  # (out once the transport's buffer is)
-                    # One turn of the loop before the writer waits again, as a send
-                    # takes: the loop reads what was written to a peer in this same
-                    # loop (a daemon in it) before every task here waits.
-                    await anyio.lowlevel.cancel_shielded_checkpoint()
-                self._notify()
+                self._notify()  # (nothing to write: a ``drain`` is over)
         finally:
+            self._writer = None
             self.open = False
             self._notify()
 

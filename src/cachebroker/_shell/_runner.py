@@ -86,7 +86,9 @@ class Runner:
         "_caches",
         "_call_soon",
         "_debug_check",
+        "_depth",
         "_logger",
+        "_stepped",
         "_tg",
         "_user_clock",
         "budget",
@@ -155,6 +157,9 @@ class Runner:
         self.trace = False
         self.listeners: list[Listener] = []
         self.remote = remote
+        #: How deep ``apply`` calls are nested now, and what their outermost one calls last.
+        self._depth = 0
+        self._stepped: list[Callable[[], None]] = []
         self.probes = Probes(self, probes, memory_wait, logger)
         self.held_leases = HeldLeases(self, remote, lease_warning)
         self.sweeper = Sweeper(self, self.probes, self.held_leases, probe_interval)
@@ -396,8 +401,31 @@ class Runner:
                     ev.LISTENER_FAILED, listener=repr(listener), event_name=event, error=repr(exc)
                 )
 
+    def at_step_end(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` once the effects being applied now are (``apply``), after
+        every watcher they woke; false if no effect is being applied.
+
+        What a step decides for another process leaves with it in one write
+        (``_sockets.Outlet.flush``), rather than a turn of the loop later.
+        """
+        if not self._depth:
+            return False
+        self._stepped.append(callback)
+        return True
+
     def apply(self) -> None:
         """Perform the effects queued by the core's last steps (never awaits)."""
+        self._depth += 1
+        try:
+            self._apply()
+        finally:
+            self._depth -= 1
+        if not self._depth and self._stepped:
+            stepped, self._stepped = self._stepped, []
+            for callback in stepped:
+                callback()
+
+    def _apply(self) -> None:
         core = self.core
         watching: list[Callable[[], None]] = []
         while core.effects:

@@ -240,6 +240,9 @@ class Relay(Protocol):
     def apply(self) -> None:
         """Perform the effects the core's last steps queued (never awaits)."""
 
+    def at_step_end(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` once the effects being applied now are; false if none are."""
+
     def emit(self, level: str, event: str, **fields: Any) -> None:
         """Log ``event`` at ``level`` and hand it to the listeners."""
 
