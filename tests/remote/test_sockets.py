@@ -191,3 +191,53 @@ async def test_an_outlet_drains_when_its_last_batch_is_empty_and_writes_batches_
             tg.cancel_scope.cancel()
         assert received == ["a", "b", "c"]
         assert not outlet.open
+
+
+async def test_an_outlet_writes_a_steps_batch_at_its_end_and_nothing_once_its_writer_is_cancelled(
+    path: str, anyio_backend_name: str
+) -> None:
+    """On asyncio a step's messages leave in one write at the step's end
+    (``at_step_end``), not a turn later; without a live writer they wait for it,
+    and once the writer is cancelled nothing more is taken or written. On trio
+    the writer sends every batch, and the step is not asked."""
+    batches: list[list[dict[str, object]]] = [[{"op": "a"}, {"op": "b"}], [{"op": "c"}]]
+    taken: list[list[dict[str, object]]] = []
+    ends: list[object] = []
+
+    def batch() -> list[dict[str, object]]:
+        taken.append(batches.pop(0) if batches else [])
+        return taken[-1]
+
+    def at_step_end(callback: object) -> bool:
+        ends.append(callback)
+        return True
+
+    transport = anyio_backend_name == "asyncio"
+    async with pair(path) as (client, server):
+        outlet = _sockets.Outlet(client, batch, wire.encode, at_step_end)
+        reader = _sockets.Frames(server)
+        async with anyio.create_task_group() as tg:
+            outlet.soon()  # no writer yet: the step's end leaves it to the writer
+            outlet.soon()
+            if transport:
+                assert len(ends) == 1
+                outlet.flush()
+            assert taken == []
+            tg.start_soon(outlet.run)
+            with anyio.fail_after(5):  # (a bound on a hang, not a measurement)
+                await outlet.drain()
+            assert [(await wire.receive(reader))["op"] for _ in range(2)] == ["a", "b"]
+            outlet.soon()
+            if transport:
+                assert len(ends) == 2 and len(taken) == 1  # asked of the step, not yet taken
+                outlet.flush()
+                assert len(taken) == 2  # taken and written in the step, before any await
+            with anyio.fail_after(5):
+                await outlet.drain()
+            assert (await wire.receive(reader))["op"] == "c"
+            tg.cancel_scope.cancel()
+            outlet.soon()
+            outlet.flush()
+            assert len(taken) == 2  # the writer is cancelled: nothing more is taken
+        assert not outlet.open
+        assert ends == ([outlet.flush] * 3 if transport else [])

@@ -113,3 +113,35 @@ async def test_a_withdrawn_request_is_never_heard_of_again() -> None:
         assert calls == []  # (withdrawn: no outcome, and never a grant)
         await relay.close_block(block, None, None, None)
         relay.core.check()
+
+
+async def test_what_a_step_leaves_for_its_end_runs_once_after_its_watchers() -> None:
+    """``Runner.at_step_end``: called once the outermost ``apply`` is over, after
+    the watchers its effects woke; not within a nested ``apply``; refused outside."""
+    async with Broker(budget=100) as broker:
+        relay = broker._relay
+        said: list[str] = []
+
+        class Nested(Told):
+            def granted(self, key: Hashable, space: str | None) -> None:
+                said.append(f"granted {key}")
+                assert relay.at_step_end(lambda: said.append(f"end {key}"))
+                relay.apply()  # (nested: the end is the outermost apply's)
+                said.append("nested apply over")
+
+        assert not relay.at_step_end(lambda: said.append("never"))
+        block = await relay.open_block("p", _release, elsewhere=Nested())
+        a = relay.submit(block.owner, Request("a", {"default": 60}, load=_value), task="ha")
+        assert said == ["granted a", "nested apply over", "end a"]
+        a.entry.shell.watch(lambda: said.append("watched a"))
+        a.entry.shell.watch(lambda: relay.at_step_end(lambda: said.append("after watchers")))
+        await _settle(a)
+        assert said[3:] == ["watched a", "after watchers"]
+        relay.core.lease_end(a.entry, "ha", relay.clock())
+        relay.apply()
+        await relay.close_block(block, None, None, None)
+        relay.core.check()
+
+
+async def _value() -> str:
+    return "v"

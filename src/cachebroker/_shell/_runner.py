@@ -414,50 +414,49 @@ class Runner:
         return True
 
     def apply(self) -> None:
-        """Perform the effects queued by the core's last steps (never awaits)."""
+        """Perform the effects queued by the core's last steps (never awaits); then
+        call the watchers they woke, and once the outermost call is over, what was
+        left for the step's end (``at_step_end``)."""
+        core = self.core
+        watching: list[Callable[[], None]] | None = None
         self._depth += 1
         try:
-            self._apply()
+            while core.effects:
+                effects, core.effects = core.effects, []
+                for effect in effects:
+                    match effect:
+                        case Settled(entry):
+                            slot = entry.shell
+                            slot.done.set()
+                            if entry.joiners:  # one requester was refused alone: the rest wait
+                                slot.done = anyio.Event()
+                            if slot.watchers:
+                                watching = (watching or []) + slot.watchers
+                                slot.watchers = []
+                        case StartLoad(entry):
+                            self.loads.start(entry)
+                        case StartRelease(entry, reason):
+                            self.releases.start(entry, reason)
+                        case StartMove(entry, to):
+                            self.releases.start_move(entry, to)
+                        case CancelLoad(entry):
+                            _cancel_load(entry)
+                        case Quarantined(entry):
+                            self._quarantined(entry)
+                        case OwnerEmpty(owner):
+                            cache = self._caches.get(owner)
+                            if cache is not None:
+                                cache.empty.set()
+                        case _:
+                            assert_never(effect)
+            for callback in watching or ():  # (the books are as these effects left them)
+                callback()
         finally:
             self._depth -= 1
-        if not self._depth and self._stepped:
-            stepped, self._stepped = self._stepped, []
-            for callback in stepped:
-                callback()
-
-    def _apply(self) -> None:
-        core = self.core
-        watching: list[Callable[[], None]] = []
-        while core.effects:
-            effects, core.effects = core.effects, []
-            for effect in effects:
-                match effect:
-                    case Settled(entry):
-                        slot = entry.shell
-                        slot.done.set()
-                        if entry.joiners:  # one requester was refused alone: the rest wait on
-                            slot.done = anyio.Event()
-                        if slot.watchers:
-                            watching += slot.watchers
-                            slot.watchers = []
-                    case StartLoad(entry):
-                        self.loads.start(entry)
-                    case StartRelease(entry, reason):
-                        self.releases.start(entry, reason)
-                    case StartMove(entry, to):
-                        self.releases.start_move(entry, to)
-                    case CancelLoad(entry):
-                        _cancel_load(entry)
-                    case Quarantined(entry):
-                        self._quarantined(entry)
-                    case OwnerEmpty(owner):
-                        cache = self._caches.get(owner)
-                        if cache is not None:
-                            cache.empty.set()
-                    case _:
-                        assert_never(effect)
-        for callback in watching:  # (the books are as these effects left them)
-            callback()
+            if not self._depth and self._stepped:
+                stepped, self._stepped = self._stepped, []
+                for callback in stepped:
+                    callback()
 
     def _quarantined(self, entry: Entry) -> None:
         """``Quarantined``: say that ``entry``'s release (or move) failed."""
