@@ -330,6 +330,7 @@ class Outlet:
         "_batch",
         "_encode",
         "_failure",
+        "_idle",
         "_stream",
         "_transport",
         "_wake",
@@ -354,6 +355,8 @@ class Outlet:
         self._at_step_end = at_step_end if self._transport is not None else None
         #: The writer's task, while it runs (asyncio).
         self._writer: asyncio.Task[Any] | None = None
+        #: Whether the writer waits to be woken (not mid-turn, where a cancellation waits).
+        self._idle = False
         self._asked = False
         #: What failed a write in ``flush``: the writer raises it.
         self._failure: Exception | None = None
@@ -384,7 +387,9 @@ class Outlet:
             return
         if (
             writer is None
+            or not self._idle
             or writer.cancelling()
+            or self._failure is not None
             or stream is None
             or stream._closed
             or stream._transport.is_closing()
@@ -426,7 +431,11 @@ class Outlet:
             self._writer = asyncio.current_task()
         try:
             while True:
-                await self._wake.wait()
+                self._idle = True
+                try:
+                    await self._wake.wait()
+                finally:
+                    self._idle = False
                 self._wake = anyio.Event()
                 if stream is not None:
                     if self._failure is not None:
