@@ -1,4 +1,4 @@
-"""Attacks on Outlet's step-end write (review; not part of the suite)."""
+"""Outlet's step-end write: nothing once its writer is cancelled, nor after a failed batch."""
 
 from __future__ import annotations
 
