@@ -13,7 +13,7 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import anyio
 import anyio.abc
@@ -241,3 +241,98 @@ async def test_an_outlet_writes_a_steps_batch_at_its_end_and_nothing_once_its_wr
             assert len(taken) == 2  # the writer is cancelled: nothing more is taken
         assert not outlet.open
         assert ends == ([outlet.flush] * 3 if transport else [])
+
+
+class _Steps:
+    """The books' steps as an outlet sees them (``Runner.at_step_end``), and its outbox."""
+
+    def __init__(self) -> None:
+        self.outbox: list[dict[str, object]] = []
+        self.inside = False
+        self.ends: list[Callable[[], None]] = []
+
+    def batch(self) -> list[dict[str, object]]:
+        taken, self.outbox = self.outbox, []
+        return taken
+
+    def at_step_end(self, callback: Callable[[], None]) -> bool:
+        if self.inside:
+            self.ends.append(callback)
+        return self.inside
+
+    def step(self, outlet: _sockets.Outlet, message: dict[str, object]) -> None:
+        """One step that posts ``message``; at its end, what it left for its end."""
+        self.inside = True
+        self.outbox.append(message)
+        outlet.soon()
+        self.inside = False
+        ends, self.ends = self.ends, []
+        for callback in ends:
+            callback()
+
+
+async def _the_rest(client: anyio.abc.SocketStream, reader: _sockets.Frames) -> list[str]:
+    """The ops of every frame the peer still gets once ``client`` is closed."""
+    await client.aclose()
+    ops: list[str] = []
+    with anyio.fail_after(5), contextlib.suppress(anyio.EndOfStream, anyio.IncompleteRead):
+        while True:
+            ops.append((await wire.receive(reader))["op"])
+    return ops
+
+
+async def test_nothing_is_written_by_a_step_after_the_writer_is_cancelled_mid_checkpoint(
+    path: str, anyio_backend_name: str
+) -> None:
+    """The writer just wrote a batch the loop asked for (outside a step) and sits in
+    its shielded checkpoint; the connection's task group is cancelled; then a step
+    posts. Nothing posted after the cancellation may leave."""
+    if anyio_backend_name != "asyncio":
+        pytest.skip("trio's writer sends every batch (and schedules in random order)")
+    steps = _Steps()
+    async with pair(path) as (client, server):
+        outlet = _sockets.Outlet(client, steps.batch, wire.encode, steps.at_step_end)
+        reader = _sockets.Frames(server)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(outlet.run)
+            await anyio.wait_all_tasks_blocked()
+            steps.outbox.append({"op": "before"})
+            outlet.soon()  # (not in a step: the writer is woken)
+            await anyio.lowlevel.checkpoint()  # the writer writes, then its shielded checkpoint
+            assert not steps.outbox  # the writer took "before"
+            tg.cancel_scope.cancel()  # the connection ends (its broker stops)
+            steps.step(outlet, {"op": "after-cancel"})
+        with anyio.fail_after(5):
+            assert (await wire.receive(reader))["op"] == "before"
+        assert await _the_rest(client, reader) == []
+
+
+async def test_a_batch_after_one_that_failed_to_encode_is_not_written(path: str) -> None:
+    """A step's batch fails to encode at its end (the writer is to raise it); a later
+    step in the same turn posts: that batch must not reach the peer without the one
+    before it."""
+    steps = _Steps()
+
+    def encode(message: object) -> bytes:
+        if message == {"op": "poison"}:
+            raise TypeError("cannot encode")
+        return wire.encode(message)  # type: ignore[arg-type]
+
+    async with pair(path) as (client, server):
+        outlet = _sockets.Outlet(client, steps.batch, encode, steps.at_step_end)
+        reader = _sockets.Frames(server)
+        raised: list[BaseException] = []
+
+        async def writer() -> None:
+            try:
+                await outlet.run()
+            except TypeError as exc:
+                raised.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(writer)
+            await anyio.wait_all_tasks_blocked()
+            steps.step(outlet, {"op": "poison"})
+            steps.step(outlet, {"op": "second"})
+        assert raised  # the failure was not lost
+        assert await _the_rest(client, reader) == []
