@@ -146,14 +146,78 @@ def test_keys_of_separate_spaces_are_solved_apart() -> None:
     assert online.reload_seconds >= offline.reload_seconds - 1e-9
 
 
-def test_too_many_keys_sharing_a_space_is_refused_and_simulate_says_so() -> None:
+def test_too_many_keys_sharing_a_space_is_refused_unless_approximated_as_simulate_does() -> None:
     trace = trace_of(list(range(16)) * 2, [1] * 16, [1.0] * 16)
     with pytest.raises(InvalidArgument, match="16 keys of this trace share spaces"):
         online_optimum(trace, {"m": 8})
-    online_optimum(trace, {"m": 8}, max_keys=16)  # a larger limit is the caller's choice
+    exact = online_optimum(trace, {"m": 8}, max_keys=16)  # a larger limit is the caller's choice
+    assert exact.exact and exact.passed_keys == 0 and exact.slack_seconds == 0.0
     (comparison,) = simulate(trace, [8], ["lru"], bound=False)
-    assert comparison.online is None
-    assert comparison.online_note is not None and "up to 14 keys" in comparison.online_note
+    online = comparison.online
+    assert online is not None and not online.exact
+    assert online.passed_keys == 2 and online.keys == 16 and online.largest_group == 16
+    # Two passing keys, each 2 of the 32 requests at 1 s: 4 s of slack.
+    assert online.slack_seconds == pytest.approx(4.0)
+    assert exact.expected_seconds <= online.expected_seconds + 1e-9
+    assert online.expected_seconds <= exact.expected_seconds + online.slack_seconds + 1e-9
+    assert comparison.online_note is not None
+    assert "16 keys share spaces, more than the 14 solved exactly" in comparison.online_note
+    (wider,) = simulate(trace, [8], ["lru"], bound=False, max_keys=16)
+    assert wider.online is not None and wider.online.exact and wider.online_note is None
+    assert wider.online.reload_seconds == pytest.approx(exact.reload_seconds)
+
+
+@pytest.mark.parametrize("max_keys", [0, 21, -3, 2.5, True, "14"])
+def test_a_max_keys_out_of_range_is_refused_before_any_work(max_keys: object) -> None:
+    trace = trace_of([0, 1, 0], [1, 1], [1.0, 1.0])
+    with pytest.raises(InvalidArgument, match="max_keys must be an integer from 1 to 20"):
+        online_optimum(trace, {"m": 1}, max_keys=max_keys)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="max_keys must be an integer from 1 to 20"):
+        simulate(trace, [1], ["lru"], bound=False, max_keys=max_keys)  # type: ignore[arg-type]
+
+
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(), st.data())
+def test_the_approximation_lies_within_its_slack_above_the_optimum_and_pays_its_expectation(
+    instance: tuple[list[int], list[float], list[float], int, int], data: st.DataObject
+) -> None:
+    """Keeping fewer keys: E[exact] <= E[approximate] <= E[exact] + slack, and the
+    approximating policy's average over every trace is its reported expectation."""
+    sizes, costs, shares, budget, length = instance
+    kept = data.draw(st.integers(1, len(sizes) - 1), label="kept")
+    note(f"sizes {sizes} costs {costs} shares {shares} budget {budget} length {length}")
+    exact = _Values(group_of(sizes, costs, shares), {"m": budget}, length).expected
+    group = group_of(sizes, costs, shares)
+    group.pass_all_but(kept)
+    assert len(group.keys) == kept and len(group.passing) == len(sizes) - kept
+    # The passing keys are those of the least share x cost.
+    worth = sorted(p * c for p, c in zip(shares, costs, strict=True))
+    assert sorted(
+        p * c for p, c in zip(group.passing_shares, group.passing_costs, strict=True)
+    ) == (pytest.approx(worth[: len(sizes) - kept]))
+    values = _Values(group, {"m": budget}, length)
+    slack = length * group.slack_seconds_per_request
+    assert exact - 1e-9 <= values.expected <= exact + slack + 1e-9
+    own = 0.0
+    for picks in itertools.product(range(len(sizes)), repeat=length):
+        chance = math.prod(shares[k] for k in picks)
+        trace = trace_of(picks, sizes, costs)
+        paid = _run(group, values, trace)
+        own += chance * paid
+        assert paid >= offline_bound(trace, {"m": budget}).reload_seconds - 1e-9
+    assert own == pytest.approx(values.expected, rel=1e-9, abs=1e-9)
+
+
+def test_a_passing_key_is_served_beside_the_best_contents_and_dropped() -> None:
+    """Budget 10: a (6 bytes, 6 s) and b (4, 1 s) are kept; c (5, 1 s, rare) passes
+    through. c fits beside b only, so each c costs its load and a's reload after."""
+    picks = [0, 1, 0, 1, 2, 0, 1, 0, 2, 1, 0, 1]
+    trace = trace_of(picks, [6, 4, 5], [6.0, 1.0, 1.0])
+    online = online_optimum(trace, {"m": 10}, max_keys=2, approximate=True)
+    assert online.passed_keys == 1 and not online.exact
+    assert online.slack_seconds == pytest.approx(len(picks) * (2 / 12) * 1.0)
+    # a and b load once; each c loads (1 s) beside b, and a loads again after it.
+    assert online.reload_seconds == pytest.approx(6.0 + 1.0 + 2 * (1.0 + 6.0))
 
 
 def test_simulate_sets_it_beside_the_offline_optimum() -> None:
@@ -852,12 +916,16 @@ def test_fifty_thousand_requests_of_twelve_keys_in_time_and_memory() -> None:
 
 
 @needs_scipy
-def test_simulate_figure_without_online_when_skipped() -> None:
+def test_simulate_figure_without_online_when_skipped_and_named_when_approximate() -> None:
     trace = one_space(list(range(15)) * 2, [1] * 15, [1.0] * 15)
-    comparisons = simulate(trace, [4, 8], ["lru"], bound=False)
-    assert all(c.online is None and c.online_note for c in comparisons)
+    comparisons = simulate(trace, [4, 8], ["lru"], bound=False, online=False)
+    assert all(c.online is None and c.online_note is None for c in comparisons)
     reloads = figure(comparisons).axes[0]
     assert [line.get_label() for line in reloads.lines] == ["lru"]
+    approximate = simulate(trace, [4, 8], ["lru"], bound=False)
+    assert all(c.online is not None and not c.online.exact for c in approximate)
+    reloads = figure(approximate).axes[0]
+    assert [line.get_label() for line in reloads.lines] == ["lru", "online (approx.)"]
 
 
 @needs_scipy
@@ -893,7 +961,7 @@ def write_trace(path: Path, rows: list[str], header: str = "time,key,size,load_s
 
 
 @needs_scipy
-def test_cli_json_with_too_many_keys_has_a_note_and_nulls(
+def test_cli_json_with_too_many_keys_has_the_approximation_and_a_note(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from cachebroker.__main__ import main
@@ -905,14 +973,23 @@ def test_cli_json_with_too_many_keys_has_a_note_and_nulls(
     data = json.loads(out)
     assert len(data) == 2 * len(POLICIES)
     for row in data:
-        assert row["online_reload_seconds"] is None
-        assert row["online_expected_seconds"] is None
-        assert "15 keys" in row["online_note"]
+        assert row["online_reload_seconds"] is not None
+        assert row["online_exact"] is False and row["online_slack_seconds"] > 0
+        assert "15 keys share spaces, more than the 14 solved exactly" in row["online_note"]
     assert main(["simulate", "--trace", path, "--budget", "4", "--no-bound"]) == 0
     text = capsys.readouterr().out
-    assert "online optimum skipped:" in text
+    assert "online (approx.): 15 keys share spaces" in text
+    assert any("  online (approx.)  " in line for line in text.splitlines())
     assert not any("  online optimum  " in line for line in text.splitlines())
     assert any("  lru  " in line for line in text.splitlines())
+    args = ["simulate", "--trace", path, "--budget", "4", "--no-bound", "--max-keys", "15"]
+    assert main([*args, "--json"]) == 0
+    for row in json.loads(capsys.readouterr().out):
+        assert row["online_exact"] is True and row["online_slack_seconds"] == 0
+        assert row["online_note"] is None
+    with pytest.raises(SystemExit):
+        main([*args[:-1], "0"])
+    assert "max_keys must be an integer from 1 to 20" in capsys.readouterr().err
 
 
 @needs_scipy

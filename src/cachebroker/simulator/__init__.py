@@ -30,7 +30,7 @@ from .._sizes import parse_budget as _parse_budget
 from .._units import DEFAULT_SPACE as _DEFAULT_SPACE
 from .._units import format_bytes
 from ._csv import COLUMNS, TraceError, parse_trace, read_trace
-from ._online import OnlineOptimum, online_optimum
+from ._online import OnlineOptimum, check_max_keys, online_optimum
 from ._optimum import Bound, offline_bound
 from ._replay import TIMINGS, ReplayResult, replay
 from ._replay import Timing as _Timing
@@ -83,8 +83,9 @@ class Comparison:
         online: The optimal online policy for the trace's observed popularity
             (``None`` if not computed; ``online_note`` then says why when it
             was asked for).
-        online_note: Why the online optimum was skipped (too many keys share
-            spaces, or tiers), or ``None``.
+        online_note: Why the online optimum was skipped (tiers), or how it
+            was approximated (more keys share spaces than ``max_keys``), or
+            ``None``.
         tiers: The lower tier of each tiered space (empty without tiers);
             ``budget`` has the lower tiers' bytes too.
     """
@@ -178,6 +179,7 @@ def simulate(
     bound: bool = True,
     bound_time_limit: float = 30.0,
     online: bool = True,
+    max_keys: int = 14,
     progress: Callable[[str], None] | None = None,
     tiers: Mapping[str, str] | None = None,
 ) -> list[Comparison]:
@@ -198,8 +200,14 @@ def simulate(
             proven bound is reported instead.
         online: Compute the online optimum at each budget (needs numpy, in
             the ``sim`` extra): the optimal policy for the trace's observed
-            popularity, run on the trace. Skipped, with ``online_note`` saying
-            so, when more than 14 keys share spaces.
+            popularity, run on the trace.
+        max_keys: The most keys sharing spaces the online optimum is solved
+            over exactly (``2 ** max_keys`` states). A larger group gets its
+            approximation: the best such policy that keeps only the
+            ``max_keys`` keys of the greatest share x load seconds, loading
+            the others for their requests only; ``online.exact`` is then false,
+            ``online.slack_seconds`` bounds how far its expectation lies above
+            the online optimum's, and ``online_note`` says so.
         progress: Called with a short description as each step starts.
         tiers: Each tiered space's lower tier, ``{"default": "ram"}``: an idle
             value may be moved down instead of dropped, and promoted back for
@@ -221,6 +229,7 @@ def simulate(
         raise InvalidArgument("give at least one policy")
     if idle_ttl is not None and not idle_ttl > 0:
         raise InvalidArgument(f"idle_ttl must be a positive number of seconds, got {idle_ttl!r}")
+    check_max_keys(max_keys)
     lower = [_check_tiers(tiers, budget, requests) for budget in resolved]
     comparisons = []
     for budget, tiered in zip(resolved, lower, strict=True):
@@ -243,10 +252,9 @@ def simulate(
         elif online:
             if progress is not None:
                 progress(f"online optimum at {label}")
-            try:
-                reference = online_optimum(requests, budget)
-            except InvalidArgument as exc:  # too many keys share spaces
-                note = str(exc)
+            reference = online_optimum(requests, budget, max_keys=max_keys, approximate=True)
+            if not reference.exact:
+                note = _approximation_note(reference, max_keys)
         comparisons.append(
             Comparison(
                 budget=budget,
@@ -259,6 +267,15 @@ def simulate(
             )
         )
     return comparisons
+
+
+def _approximation_note(online: OnlineOptimum, max_keys: int) -> str:
+    return (
+        f"{online.largest_group} keys share spaces, more than the {max_keys} solved "
+        f"exactly (max_keys): the {online.passed_keys} of the least share x load seconds "
+        f"are loaded for their requests and dropped once served; the expected reload "
+        f"seconds are at most {online.slack_seconds:,.0f} s above the online optimum's"
+    )
 
 
 def _policy_name(policy: str) -> str:
@@ -347,7 +364,10 @@ def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Fi
                 [o.reload_seconds for o in online if o is not None],
                 linestyle=":",
                 color="black",
-                label="online optimum" + named,
+                label=(
+                    "online optimum" if all(o.exact for o in online if o) else "online (approx.)"
+                )
+                + named,
             )
     reloads.set(xlabel="budget (GiB)", ylabel="total reload seconds", title="Reload time")
     ratios.set(xlabel="budget (GiB)", ylabel="hit ratio", title="Hit ratio")

@@ -105,6 +105,14 @@ def add_parser(commands: Any, name: str, help: str) -> None:
         help="skip the online optimum (the best policy knowing each key's popularity)",
     )
     parser.add_argument(
+        "--max-keys",
+        type=int,
+        default=14,
+        metavar="N",
+        help="the most keys sharing spaces that the online optimum is solved over exactly "
+        "(2^N states; default 14, at most 20); beyond, it is approximated, keeping N keys",
+    )
+    parser.add_argument(
         "--bound-time-limit",
         type=float,
         default=30.0,
@@ -167,6 +175,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         bound=bound,
                         bound_time_limit=args.bound_time_limit,
                         online=online and space is None,
+                        max_keys=args.max_keys,
                         progress=step,
                         tiers=None if space is None else dict.fromkeys(used, space),
                     )
@@ -298,6 +307,14 @@ def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
                         if comparison.online is None
                         else _seconds(comparison.online.expected_seconds)
                     ),
+                    "online_exact": (
+                        None if comparison.online is None else comparison.online.exact
+                    ),
+                    "online_slack_seconds": (
+                        None
+                        if comparison.online is None
+                        else _seconds(comparison.online.slack_seconds)
+                    ),
                     "online_note": comparison.online_note,
                     "timing": comparison.timing,
                     "tiers": dict(comparison.tiers),
@@ -380,7 +397,7 @@ def table_rows(comparisons: list[Comparison]) -> list[tuple[str, ...]]:
             cells.append(
                 (
                     comparison.label,
-                    "online optimum",
+                    "online optimum" if comparison.online.exact else "online (approx.)",
                     "",
                     "",
                     "",
@@ -458,9 +475,11 @@ def _print_notes(comparisons: list[Comparison], out: IO[str]) -> None:
             "beat it); optimum: the best schedule knowing the order",
             file=out,
         )
-    skipped = next((c.online_note for c in comparisons if c.online_note), None)
-    if skipped:
-        print(f"online optimum skipped: {skipped}", file=out)
+    for note in dict.fromkeys(c.online_note for c in comparisons if c.online_note):
+        approximated = any(c.online is not None and c.online_note == note for c in comparisons)
+        print(
+            f"{'online (approx.)' if approximated else 'online optimum skipped'}: {note}", file=out
+        )
     if any(c.tiers for c in comparisons):
         print(
             "with a tier ('+ ram ...'): idle values are moved down instead of dropped; "

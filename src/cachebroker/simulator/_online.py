@@ -16,8 +16,23 @@ Keys are grouped by the spaces they share: keys of disjoint spaces never
 compete, so each group is its own process (requests for the others leave it
 unchanged). A group is solved over every subset of its keys, 2^n states, so
 it is done up to ``max_keys`` keys a group (14 by default: 16,384 states);
-beyond, ``online_optimum`` raises ``InvalidArgument`` and ``simulate`` says
-the reference was skipped. The induction stops as soon as each further
+beyond, ``online_optimum`` raises ``InvalidArgument`` unless asked to
+approximate (as ``simulate`` does).
+
+The approximation keeps the ``max_keys`` keys of the greatest share x load
+seconds as the process's keys and lets the others *pass through*: each of
+their requests loads the key (keeping the best subset of the contents it
+fits beside) and drops it once served. That is a restriction of the online
+policies, so its expectation is never below the online optimum's; and it is
+at most ``slack_seconds`` above it, the expected load seconds of the passing
+keys' requests: a passing policy can follow the optimal one's choices over
+the kept keys (a subset of what the optimal one holds always fits, also
+beside a passing key it holds after serving it), paying only for the
+passing keys' requests that the optimal one would have served from memory.
+The passing keys are those whose requests cost least in expectation, which
+makes that slack the least of any choice of kept keys.
+
+The induction stops as soon as each further
 request adds the same expected cost in every state (to a relative 1e-9 of
 the total), usually after tens to hundreds of requests: the built-in
 workload's 12 keys take under a second per budget. A key requested rarely
@@ -54,6 +69,9 @@ __all__ = ["OnlineOptimum", "online_optimum"]
 #: Bytes of value tables kept for the last requests of a trace (older ones
 #: use the stationary values, which the tables have converged to by then).
 _TABLE_BYTES = 64 * 2**20
+#: The largest ``max_keys``: 2 ** 20 states take 8 MiB a table, and a
+#: request of induction about a second here.
+MAX_KEYS = 20
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +87,13 @@ class OnlineOptimum:
         largest_group: Keys of the largest group sharing spaces (the process
             solved has ``2 ** largest_group`` states).
         solve_seconds: Wall-clock time spent solving and running it.
+        passed_keys: Keys the approximation loads for each request and drops
+            once served, never keeping them (0: the exact optimum).
+        slack_seconds: How far above the online optimum's expectation
+            ``expected_seconds`` may be (0.0 when exact): the expected reload
+            seconds of the passed keys' requests. The least any online
+            policy can expect lies in ``[expected_seconds - slack_seconds,
+            expected_seconds]``.
     """
 
     reload_seconds: float
@@ -76,6 +101,13 @@ class OnlineOptimum:
     keys: int
     largest_group: int
     solve_seconds: float
+    passed_keys: int = 0
+    slack_seconds: float = 0.0
+
+    @property
+    def exact(self) -> bool:
+        """Whether this is the exact online optimum (no key passed through)."""
+        return self.passed_keys == 0
 
 
 Key = tuple[str, str]
@@ -90,24 +122,60 @@ class _Group:
     sizes: dict[str, list[int]]  # per space, each key's bytes
     costs: list[float]  # each key's mean load seconds
     shares: list[float]  # each key's share of all requests
+    #: Keys loaded for their request and dropped once served, never kept
+    #: (the approximation beyond ``max_keys``): the same fields, by key.
+    passing: list[Key] = attrs.Factory(list)
+    passing_sizes: dict[str, list[int]] = attrs.Factory(dict)
+    passing_costs: list[float] = attrs.Factory(list)
+    passing_shares: list[float] = attrs.Factory(list)
+
+    def pass_all_but(self, kept: int) -> None:
+        """Keep the ``kept`` keys of the greatest share x load seconds; the others pass through."""
+        order = sorted(range(len(self.keys)), key=lambda k: -self.shares[k] * self.costs[k])
+        stay, go = sorted(order[:kept]), order[kept:]
+        self.passing = [self.keys[k] for k in go]
+        self.passing_sizes = {space: [sizes[k] for k in go] for space, sizes in self.sizes.items()}
+        self.passing_costs = [self.costs[k] for k in go]
+        self.passing_shares = [self.shares[k] for k in go]
+        self.keys = [self.keys[k] for k in stay]
+        self.index = {key: i for i, key in enumerate(self.keys)}
+        self.sizes = {space: [sizes[k] for k in stay] for space, sizes in self.sizes.items()}
+        self.costs = [self.costs[k] for k in stay]
+        self.shares = [self.shares[k] for k in stay]
+
+    @property
+    def slack_seconds_per_request(self) -> float:
+        """What the passing keys' requests cost per request: the approximation's bound."""
+        return sum(p * c for p, c in zip(self.passing_shares, self.passing_costs, strict=True))
 
 
 def online_optimum(
-    requests: Sequence[Request], budget: Mapping[str, int], *, max_keys: int = 14
+    requests: Sequence[Request],
+    budget: Mapping[str, int],
+    *,
+    max_keys: int = 14,
+    approximate: bool = False,
 ) -> OnlineOptimum:
     """Solve and run the optimal online policy for the popularity observed in ``requests``.
 
     Args:
         requests: The trace, in time order.
         budget: Bytes per space.
-        max_keys: The most keys one group of keys sharing spaces may have.
+        max_keys: The most keys one group of keys sharing spaces may have
+            (the process has ``2 ** max_keys`` states), from 1 to ``MAX_KEYS`` (20).
+        approximate: For a larger group, solve the best policy that may keep
+            only the ``max_keys`` keys of the greatest share x load seconds
+            and loads each other key for its request and drops it once
+            served, instead of refusing. Its expectation is within
+            ``slack_seconds`` above the online optimum's (see the module).
 
     Raises:
         InvalidArgument: a group of keys sharing spaces has more than
-            ``max_keys`` keys, or a request does not fit its space's budget.
+            ``max_keys`` keys (and ``approximate`` is false), ``max_keys`` is
+            not an integer from 1 to 20, or a request does not fit its space's budget.
         ImportError: numpy is not installed (the ``sim`` extra).
     """
-    return _online(requests, budget, max_keys=max_keys)
+    return _online(requests, budget, max_keys=max_keys, approximate=approximate)
 
 
 def _online(
@@ -115,6 +183,7 @@ def _online(
     budget: Mapping[str, int],
     *,
     max_keys: int = 14,
+    approximate: bool = False,
     shares: Mapping[Key, float] | None = None,
 ) -> OnlineOptimum:
     """``online_optimum``, optionally for a given popularity (``shares``) instead of the trace's."""
@@ -124,29 +193,46 @@ def _online(
         raise ImportError(
             "the online optimum needs numpy: pip install scipy (cachebroker's 'sim' extra)"
         ) from exc
+    check_max_keys(max_keys)
     check_fits(requests, budget)
     started = time.perf_counter()
     groups = _groups(requests, shares)
     largest = max((len(group.keys) for group in groups), default=0)
-    if largest > max_keys:
+    if largest > max_keys and not approximate:
         raise InvalidArgument(
             f"the online optimum is solved over every set of keys that share spaces, up to "
             f"{max_keys} keys; {largest} keys of this trace share spaces"
         )
+    keys = sum(len(group.keys) for group in groups)
     horizon = len(requests)
-    realised = 0.0
-    expected = 0.0
+    realised = expected = slack = 0.0
+    passed = 0
     for group in groups:
+        if len(group.keys) > max_keys:
+            group.pass_all_but(max_keys)
+            passed += len(group.passing)
+            slack += horizon * group.slack_seconds_per_request
         values = _Values(group, budget, horizon)
         expected += values.expected
         realised += _run(group, values, requests)
     return OnlineOptimum(
         reload_seconds=realised,
         expected_seconds=expected,
-        keys=sum(len(group.keys) for group in groups),
+        keys=keys,
         largest_group=largest,
         solve_seconds=time.perf_counter() - started,
+        passed_keys=passed,
+        slack_seconds=slack,
     )
+
+
+def check_max_keys(max_keys: object) -> None:
+    """Refuse a ``max_keys`` that is not an integer from 1 to ``MAX_KEYS``."""
+    if isinstance(max_keys, bool) or not isinstance(max_keys, int) or not 1 <= max_keys <= MAX_KEYS:
+        raise InvalidArgument(
+            f"max_keys must be an integer from 1 to {MAX_KEYS} (the process solved has "
+            f"2 ** max_keys states), got {max_keys!r}"
+        )
 
 
 def _groups(requests: Sequence[Request], shares: Mapping[Key, float] | None) -> list[_Group]:
@@ -218,13 +304,22 @@ class _Values:
         self.masks = masks = np.arange(states)
         self.member = member = ((masks[:, None] >> np.arange(count)) & 1).astype(bool)
         fits = np.ones(states, dtype=bool)
+        # Per passing key: the states it fits beside.
+        self.fits_with = beside = [np.ones(states, dtype=bool) for _ in group.passing]
         for space, sizes in group.sizes.items():
-            fits &= _loads(sizes, budget[space]) <= budget[space]
+            loads = _loads(sizes, budget[space])
+            fits &= loads <= budget[space]
+            for j, size in enumerate(group.passing_sizes.get(space, ())):
+                beside[j] &= loads + size <= budget[space]
         self.fits = fits
         self.shares = shares = np.asarray(group.shares, dtype=np.float64)
         self.costs = np.asarray(group.costs, dtype=np.float64)
+        self.passing = [
+            (share, cost)
+            for share, cost in zip(group.passing_shares, group.passing_costs, strict=True)
+        ]
         # Per state: a hit, or a request for another group's key, leaves it as it is.
-        self.stay = 1.0 - shares.sum() + (member * shares).sum(axis=1)
+        self.stay = 1.0 - shares.sum() - sum(group.passing_shares) + (member * shares).sum(axis=1)
         self.asked = [k for k in range(count) if shares[k] > 0.0]
         self.count = count
         self.states = states
@@ -281,6 +376,14 @@ class _Values:
             with_k[axis] = slice(0, 1)
             missing = added[tuple(with_k)]  # a view: the states without k
             missing += self.shares[k] * (self.costs[k] + best)
+        for (share, cost), beside in zip(self.passing, self.fits_with, strict=True):
+            # A passing key: keep the best subset of S it fits beside, load
+            # it, drop it once served.
+            best = np.where(beside, table, np.inf).reshape((2,) * count)
+            for axis in range(count):
+                view = np.moveaxis(best, axis, 0)
+                np.minimum(view[1:], view[:1], out=view[1:])
+            new += share * (cost + best.reshape(-1))
         return np.where(self.fits, new, np.inf)
 
     def table(self, n: int) -> NDArray[np.float64]:
@@ -317,20 +420,27 @@ def _run(group: _Group, values: _Values, requests: Sequence[Request]) -> float:
     total = 0.0
     remaining = len(requests)
     index = group.index
+    passing = {key: j for j, key in enumerate(group.passing)}
     popcount: dict[int, Any] = {}
     for request in requests:
         remaining -= 1
-        k = index.get((request.cache, request.key))
-        if k is None or contents >> k & 1:
+        key = (request.cache, request.key)
+        k = index.get(key)
+        j = passing.get(key)
+        if (k is None and j is None) or (k is not None and contents >> k & 1):
             continue
         total += request.load_seconds
         table = values.table(remaining)
-        others = [j for j in range(len(group.keys)) if contents >> j & 1]
+        others = [i for i in range(len(group.keys)) if contents >> i & 1]
         subsets = np.arange(1 << len(others))
-        choices = np.full(subsets.shape, 1 << k)
-        for bit, j in enumerate(others):
-            choices |= ((subsets >> bit) & 1) << j
+        # Loading k: keep k and a subset of the others. A passing key: keep
+        # a subset of the others it fits beside (it is dropped once served).
+        choices = np.full(subsets.shape, 0 if k is None else 1 << k)
+        for bit, i in enumerate(others):
+            choices |= ((subsets >> bit) & 1) << i
         options = table[choices]
+        if j is not None:
+            options = np.where(values.fits_with[j][choices], options, np.inf)
         low = options.min()
         # Ties: keep the most keys (evicting more than needed never helps).
         tied = options <= low + 1e-12 * abs(low)
