@@ -364,7 +364,7 @@ def test_cost_policy_candidates_ignore_spaces_with_no_need(heap_above: int | Non
         policy.heap_above = heap_above
     items = [
         per_byte("big-1", {"m": 100}, 0.10),
-        per_byte("mid", {"m": 50}, 0.15),
+        per_byte("mid", {"m": 50}, 0.12),
         per_byte("small", {"m": 10, "z": 1}, 0.20),
     ]
     settle(policy, items)
@@ -436,12 +436,13 @@ def test_cheapest_cover_prunes_the_most_valuable_member_first() -> None:
 
 
 def test_cheapest_cover_tries_the_largest_entries_as_anchors() -> None:
-    """Greedy by value per share takes a and b (2.0, 2 bytes wasted); the cover
-    anchored at large, which covers alone, costs less (1.9). The 8 dear 1-byte
-    entries are never anchors: they cover the smallest shares."""
+    """Greedy by value per share takes a and b (2.0, less 2 bytes of surplus at half
+    a's 1/6 per byte: 1.83); the cover anchored at large, which covers alone, costs
+    less (1.8). The 8 dear 1-byte entries are never anchors: they cover the
+    smallest shares."""
     pool: list[PolicyEntry] = [Item(f"f{i}", {"m": 1}) for i in range(8)]
     pool += [Item("a", {"m": 6}), Item("b", {"m": 6}), Item("large", {"m": 10})]
-    values = {"a": 1.0, "b": 1.0, "large": 1.9} | {f"f{i}": 10.0 for i in range(8)}
+    values = {"a": 1.0, "b": 1.0, "large": 1.8} | {f"f{i}": 10.0 for i in range(8)}
     assert keys(_cheapest_cover(pool, {"m": 10}, value_of(values))) == ["large"]
 
 
@@ -451,15 +452,16 @@ def test_cheapest_cover_tries_eight_anchors() -> None:
     for dear, chosen in ((7, ["large"]), (8, ["a", "b"])):
         pool, values = dear_anchors({"m": 10})
         pool = [*pool[:dear], Item("a", {"m": 6}), Item("b", {"m": 6}), Item("large", {"m": 10})]
-        values |= {"a": 1.0, "b": 1.0, "large": 1.9}
+        values |= {"a": 1.0, "b": 1.0, "large": 1.8}
         assert sorted(keys(_cheapest_cover(pool, {"m": 10}, value_of(values)))) == chosen
 
 
 def test_cheapest_cover_tries_the_anchors_after_the_densest() -> None:
-    """top, the densest and largest, starts the greedy cover (top and z, 1.25); z as
-    anchor finds it again; w, the third anchor, finds a cheaper one (w and top, 1.2)."""
+    """top, the densest and largest, starts the greedy cover (top and z, 1.25 less 2
+    bytes of surplus at half top's 0.1 per byte: 1.15); z as anchor finds it again;
+    w, the third anchor, finds a cheaper one (w and top, 1.17 less 0.05: 1.12)."""
     pool: list[PolicyEntry] = [Item("top", {"m": 6}), Item("z", {"m": 6}), Item("w", {"m": 5})]
-    chosen = _cheapest_cover(pool, {"m": 10}, value_of({"top": 0.6, "z": 0.65, "w": 0.6}))
+    chosen = _cheapest_cover(pool, {"m": 10}, value_of({"top": 0.6, "z": 0.65, "w": 0.57}))
     assert sorted(keys(chosen)) == ["top", "w"]
 
 
@@ -544,11 +546,12 @@ def test_cost_policy_with_every_resident_a_candidate_breaks_ties_by_load_order(
     candidates: int,
 ) -> None:
     """Two residents, candidates=2 or 3: all are in the pool, in load order (no walk
-    of the ranks, which would put y, of the lower rank per byte, first). x and y cost
-    the same and each covers the need: the one loaded first goes."""
+    of the ranks, which would put y, of the lower rank per byte, first). Each covers
+    the need, and they cost the same: x 1.0, y 1.5 less 16 bytes of surplus at half
+    its 1/16 per byte. The one loaded first goes."""
     policy = CostAware(half_life=4.0, candidates=candidates)
-    settle(policy, [Item("x", {"m": 10}, cost=2.0), Item("y", {"m": 20}, cost=2.0)])
-    assert keys(policy.victims({"m": 10})) == ["x"]
+    settle(policy, [Item("x", {"m": 8}, cost=1.0), Item("y", {"m": 24}, cost=1.5)])
+    assert keys(policy.victims({"m": 8})) == ["x"]
 
 
 def long_unrequested(ticks: int) -> CostAware:

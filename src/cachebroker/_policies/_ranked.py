@@ -454,6 +454,11 @@ def _take_covering(
     return taken
 
 
+#: The share of the least value per byte among the candidates that a byte
+#: freed beyond the shortfall is credited with (see ``_cheapest_cover``).
+SURPLUS_CREDIT = 0.5
+
+
 def _cheapest_cover(
     pool: list[PolicyEntry], shortfall: Mapping[str, int], value: Callable[[PolicyEntry], float]
 ) -> list[PolicyEntry]:
@@ -512,14 +517,32 @@ def _cheapest_cover(
                 missing = without
         return chosen
 
+    # Bytes freed beyond the shortfall defer the next eviction, which would
+    # take entries of about the least value per byte: a cover is charged its
+    # values less ``SURPLUS_CREDIT`` of that per byte of surplus, per space.
+    # (Dropping a member then always lowers the charge, so pruning holds.)
+    credit = [
+        SURPLUS_CREDIT
+        * min((values[e] / e.charge[space] for e in by_density if e.charge.get(space)), default=0)
+        for space in need
+    ]
+
+    def total(option: list[PolicyEntry]) -> float:
+        missing = needed  # <= 0 for a cover: minus the surplus
+        for entry in option:
+            missing = minus(missing, amounts[entry])
+        if len(need) == 1:
+            return sum(values[e] for e in option) + credit[0] * missing
+        return sum(values[e] for e in option) + sum(map(operator.mul, credit, missing))
+
     best = greedy([])
     if best is None:
         return []
-    best_cost = sum(values[e] for e in best)
+    best_cost = total(best)
     for anchor in sorted(pool, key=weights.__getitem__, reverse=True)[:8]:
         if anchor is by_density[0] or not weights[anchor]:
             continue  # greedy([anchor]) would be greedy([]) again
         option = greedy([anchor])
-        if option is not None and (cost := sum(values[e] for e in option)) < best_cost:
+        if option is not None and (cost := total(option)) < best_cost:
             best, best_cost = option, cost
     return best
