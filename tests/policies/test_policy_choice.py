@@ -435,6 +435,29 @@ def test_cheapest_cover_prunes_the_most_valuable_member_first() -> None:
     assert sorted(keys(_cheapest_cover(pool, {"m": 10}, value_of(values)))) == ["l", "s"]
 
 
+def test_cheapest_cover_credits_the_room_it_frees_beyond_the_shortfall() -> None:
+    """small covers the 10 bytes exactly for 6.0; big covers them for 8.0 and frees 90
+    bytes more, credited at half the least value per byte (big's 0.08): 8.0 - 3.6 =
+    4.4, so big goes. Dearer per byte, the same room is worth less than small."""
+    pool: list[PolicyEntry] = [Item("big", {"m": 100}), Item("small", {"m": 10})]
+    assert keys(_cheapest_cover(pool, {"m": 10}, value_of({"big": 8.0, "small": 6.0}))) == ["big"]
+    # big at 0.11 per byte: 11.0 - 0.5 x 0.11 x 90 = 6.05, more than small's 6.0.
+    chosen = _cheapest_cover(pool, {"m": 10}, value_of({"big": 11.0, "small": 6.0}))
+    assert keys(chosen) == ["small"]
+
+
+def test_cheapest_cover_credits_room_per_short_space() -> None:
+    """Two short spaces: ab frees 40 bytes of a beyond the need, credited at half of
+    0.01 per byte (ab's 1.0 over its 100 bytes of a): 1.0 - 0.2 = 0.8 < a + b's 0.9."""
+    pool: list[PolicyEntry] = [
+        Item("a", {"a": 60}),
+        Item("b", {"b": 10}),
+        Item("ab", {"a": 100, "b": 10}),
+    ]
+    values = {"a": 0.6, "b": 0.3, "ab": 1.0}
+    assert keys(_cheapest_cover(pool, {"a": 60, "b": 10}, value_of(values))) == ["ab"]
+
+
 def test_cheapest_cover_tries_the_largest_entries_as_anchors() -> None:
     """Greedy by value per share takes a and b (2.0, less 2 bytes of surplus at half
     a's 1/6 per byte: 1.83); the cover anchored at large, which covers alone, costs

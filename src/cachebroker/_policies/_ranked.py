@@ -216,8 +216,11 @@ class CostAware(_Ranked):
     the better of a greedy cover by expected reload cost per share of the
     shortfall covered (not by rank), pruned of entries it does not need, and
     the best cover that pairs one large entry (one of the 8 covering the
-    largest share) with a greedy cover of the rest. With mixed sizes, which
-    set to evict matters more than the order.
+    largest share) with a greedy cover of the rest; a set is charged its
+    values less ``SURPLUS_CREDIT`` (half) of the least value per byte among
+    the candidates for each byte it frees beyond the shortfall, room that
+    defers the next eviction. With mixed sizes, which set to evict matters
+    more than the order.
 
     The hit path only logs the request: the estimates and scores are brought
     up to date once per ``batch`` requests and before each victim search, at
