@@ -16,6 +16,15 @@ least any policy could pay knowing the future (``bound [lo, hi]`` when the
 solver reached its time limit: the optimum lies in that bracket).
 
     python benchmarks/tiers.py [--time-limit 20] [--no-bound] [--json]
+
+With ``--families``, the same question over the development traces of
+``benchmarks/policies.py`` (``benchmarks/_families.py``: base, moving and
+large catalogues, three budgets each): for each family and budget, the mean
+reload seconds of lru and cost without a tier and with a RAM tier the size
+of the GPU budget and twice it, and what the tier saves (no optimum: the
+tiered MILP takes minutes a case there).
+
+    python benchmarks/tiers.py --families
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import json
 import sys
 import time
 from typing import Any
+
+from _families import traces
 
 from cachebroker.simulator import builtin_workload, offline_bound, replay
 
@@ -42,7 +53,12 @@ def main() -> int:
     )
     parser.add_argument("--no-bound", action="store_true", help="skip the optimum")
     parser.add_argument("--json", action="store_true", help="print machine-readable figures")
+    parser.add_argument(
+        "--families", action="store_true", help="the development traces' families instead"
+    )
     args = parser.parse_args()
+    if args.families:
+        return _families(args.json)
     started = time.perf_counter()
     trace = builtin_workload()
     rows: list[dict[str, Any]] = []
@@ -167,6 +183,61 @@ def _optimum(row: dict[str, Any], tier: str, untiered: float) -> tuple[str, ...]
     ratio = f"{low / untiered:.3f}" if untiered else ""
     solved = f"(solved in {row['optimum_solve_seconds']:.0f} s)"
     return (f"{row['gpu_gib']} GiB", tier, name, figure, ratio, "", "", "", "", solved)
+
+
+def _families(as_json: bool) -> int:
+    """Reload seconds with a RAM tier of 1x and 2x the GPU budget, per family and budget."""
+    rows: list[dict[str, Any]] = []
+    for case in traces():
+        for index, gpu in enumerate(case.budgets):
+            for policy in POLICIES:
+                alone = replay(case.requests, {"default": gpu}, policy, timing="sequential")
+                row: dict[str, Any] = {
+                    "family": case.family,
+                    "trace": case.name,
+                    "budget": index,
+                    "gpu_gb": round(gpu / 10**9, 1),
+                    "policy": policy,
+                    "no_tier_seconds": round(alone.reload_seconds, 1),
+                }
+                for times in (1, 2):
+                    tiered = replay(
+                        case.requests,
+                        {"default": gpu, "ram": times * gpu},
+                        policy,
+                        timing="sequential",
+                        tiers={"default": "ram"},
+                    )
+                    row[f"ram_{times}x_seconds"] = round(tiered.reload_seconds, 1)
+                rows.append(row)
+    if as_json:
+        json.dump(rows, sys.stdout, indent=2)
+        print()
+        return 0
+    print(
+        "mean total reload seconds per family and budget (sequential model), without a "
+        "tier and with a RAM tier of 1x and 2x the GPU budget; in parentheses, the share saved"
+    )
+    labels = {0: "tightest", 1: "middle", 2: "loosest"}
+    print(f"{'family':<8} {'budget':<9} {'policy':<6} {'no tier':>9} {'RAM 1x':>16} {'RAM 2x':>16}")
+    for family in dict.fromkeys(r["family"] for r in rows):
+        for index, label in labels.items():
+            for policy in POLICIES:
+                mine = [
+                    r
+                    for r in rows
+                    if r["family"] == family and r["budget"] == index and r["policy"] == policy
+                ]
+                alone = sum(r["no_tier_seconds"] for r in mine) / len(mine)
+                cells = []
+                for times in (1, 2):
+                    tiered = sum(r[f"ram_{times}x_seconds"] for r in mine) / len(mine)
+                    cells.append(f"{tiered:,.0f} ({1 - tiered / alone:.0%})")
+                print(
+                    f"{family:<8} {label:<9} {policy:<6} {alone:>9,.0f} "
+                    f"{cells[0]:>16} {cells[1]:>16}"
+                )
+    return 0
 
 
 if __name__ == "__main__":

@@ -530,22 +530,23 @@ def _cheapest_cover(
         for space in need
     ]
 
-    def total(option: list[PolicyEntry]) -> float:
+    def charged(option: list[PolicyEntry]) -> float:
         missing = needed  # <= 0 for a cover: minus the surplus
         for entry in option:
             missing = minus(missing, amounts[entry])
+        value = sum(values[e] for e in option)
         if len(need) == 1:
-            return sum(values[e] for e in option) + credit[0] * missing
-        return sum(values[e] for e in option) + sum(map(operator.mul, credit, missing))
+            return value + credit[0] * float(missing)
+        return value + math.fsum(map(operator.mul, credit, missing))
 
     best = greedy([])
     if best is None:
         return []
-    best_cost = total(best)
+    best_cost = charged(best)
     for anchor in sorted(pool, key=weights.__getitem__, reverse=True)[:8]:
         if anchor is by_density[0] or not weights[anchor]:
             continue  # greedy([anchor]) would be greedy([]) again
         option = greedy([anchor])
-        if option is not None and (cost := total(option)) < best_cost:
+        if option is not None and (cost := charged(option)) < best_cost:
             best, best_cost = option, cost
     return best
