@@ -462,6 +462,7 @@ def _take_covering(
 SURPLUS_CREDIT = 0.5
 
 
+# long: one search (greedy, anchors, the charge), its hot spot kept inline.
 def _cheapest_cover(
     pool: list[PolicyEntry], shortfall: Mapping[str, int], value: Callable[[PolicyEntry], float]
 ) -> list[PolicyEntry]:
@@ -520,10 +521,8 @@ def _cheapest_cover(
                 missing = without
         return chosen
 
-    # Bytes freed beyond the shortfall defer the next eviction, which would
-    # take entries of about the least value per byte: a cover is charged its
-    # values less ``SURPLUS_CREDIT`` of that per byte of surplus, per space.
-    # (Dropping a member then always lowers the charge, so pruning holds.)
+    # A cover's charge: its values less SURPLUS_CREDIT of the least value per
+    # byte for each byte freed beyond the shortfall, per space (docs/policies.md).
     credit = [
         SURPLUS_CREDIT
         * min((values[e] / e.charge[space] for e in by_density if e.charge.get(space)), default=0)

@@ -30,7 +30,8 @@ from .._sizes import parse_budget as _parse_budget
 from .._units import DEFAULT_SPACE as _DEFAULT_SPACE
 from .._units import format_bytes
 from ._csv import COLUMNS, TraceError, parse_trace, read_trace
-from ._online import OnlineOptimum, check_max_keys, online_optimum
+from ._online import OnlineOptimum, online_optimum
+from ._online import check_max_keys as _check_max_keys
 from ._optimum import Bound, offline_bound
 from ._replay import TIMINGS, ReplayResult, replay
 from ._replay import Timing as _Timing
@@ -229,7 +230,7 @@ def simulate(
         raise InvalidArgument("give at least one policy")
     if idle_ttl is not None and not idle_ttl > 0:
         raise InvalidArgument(f"idle_ttl must be a positive number of seconds, got {idle_ttl!r}")
-    check_max_keys(max_keys)
+    _check_max_keys(max_keys)
     lower = [_check_tiers(tiers, budget, requests) for budget in resolved]
     comparisons = []
     for budget, tiered in zip(resolved, lower, strict=True):
@@ -286,6 +287,7 @@ def _policy_name(policy: str) -> str:
     return name
 
 
+# long: one figure, its three panels drawn in order.
 def figure(comparisons: Sequence[Comparison], *, title: str | None = None) -> Figure:
     """Draw the comparisons against budget: reload seconds, hit ratio and waits for space.
 
