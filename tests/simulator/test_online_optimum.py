@@ -17,7 +17,7 @@ import json
 import math
 import random
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -45,6 +45,14 @@ def trace_of(picks: Sequence[int], sizes: Sequence[int], costs: Sequence[float])
         Request(time=float(t), key=f"k{k}", size={"m": sizes[k]}, load_seconds=costs[k])
         for t, k in enumerate(picks)
     ]
+
+
+def every_trace(
+    sizes: Sequence[int], costs: Sequence[float], shares: Sequence[float], length: int
+) -> Iterator[tuple[float, list[Request]]]:
+    """Every trace of ``length`` independent draws, with its probability."""
+    for picks in itertools.product(range(len(sizes)), repeat=length):
+        yield math.prod(shares[k] for k in picks), trace_of(picks, sizes, costs)
 
 
 def group_of(sizes: Sequence[int], costs: Sequence[float], shares: Sequence[float]) -> _Group:
@@ -82,9 +90,7 @@ def test_expected_cost_is_the_least_of_any_online_policy_and_its_own_average(
     expected = values.expected
     averages = dict.fromkeys(POLICIES, 0.0)
     own = 0.0
-    for picks in itertools.product(range(len(sizes)), repeat=length):
-        chance = math.prod(shares[k] for k in picks)
-        trace = trace_of(picks, sizes, costs)
+    for chance, trace in every_trace(sizes, costs, shares, length):
         paid = _run(group, values, trace)
         own += chance * paid
         # On each trace: never below the offline optimum, which knows the order.
@@ -199,9 +205,7 @@ def test_the_approximation_lies_within_its_slack_above_the_optimum_and_pays_its_
     slack = length * group.slack_seconds_per_request
     assert exact - 1e-9 <= values.expected <= exact + slack + 1e-9
     own = 0.0
-    for picks in itertools.product(range(len(sizes)), repeat=length):
-        chance = math.prod(shares[k] for k in picks)
-        trace = trace_of(picks, sizes, costs)
+    for chance, trace in every_trace(sizes, costs, shares, length):
         paid = _run(group, values, trace)
         own += chance * paid
         assert paid >= offline_bound(trace, {"m": budget}).reload_seconds - 1e-9
