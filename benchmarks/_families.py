@@ -155,7 +155,7 @@ def _trace(
             )
         )
     if catalogue is CATALOGUE:
-        budgets = BASE_BUDGETS
+        budgets: tuple[int, ...] = BASE_BUDGETS
     else:
         total = sum(size for _, size, _ in catalogue)
         largest = max(size for _, size, _ in catalogue)

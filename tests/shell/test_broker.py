@@ -700,6 +700,21 @@ async def test_cost_aware_policy_keeps_the_model_that_is_slow_to_reload(kind: st
         assert plugin.released == ["fast"]  # LRU would have evicted "slow"
 
 
+async def test_cost_aware_policy_counts_the_room_a_victim_frees(kind: str) -> None:
+    """The new entry is 25 bytes short: "small" (30 bytes, 6 s) is the cheaper reload and
+    LRU's victim, but "big" (60 bytes, 7 s) frees 35 bytes more than that, credited
+    at half its 7/60 s a byte: about 7 - 2.0 against small's 6 - 0.3."""
+    plugin = Recorder()
+    async with open_broker(kind, 100, policy="cost") as broker, broker.cache("p", plugin) as cache:
+        async with cache.acquire("small", load=loader("s"), size=30, cost=6):
+            pass
+        async with cache.acquire("big", load=loader("b"), size=60, cost=7):
+            pass
+        async with cache.acquire("new", load=loader("n"), size=35, cost=1):
+            pass
+        assert plugin.released == ["big"]
+
+
 async def test_bad_cost_is_rejected(kind: str) -> None:
     async with open_broker(kind, 10) as broker, broker.cache("p", Recorder()) as cache:
         with pytest.raises(ValueError, match="cost must be a non-negative"):
