@@ -13,7 +13,7 @@ traces replay in timed mode too.
   swapped every 40 requests.
 * ``large``: catalogues of 20 to 40 models drawn from ``LARGE_CATALOGUE``
   (the base 12 and 28 more, 0.1-141 GB), Zipf 0.6-1.2, four of them
-  stationary and two with a rotating ranking.
+  stationary, one with a rotating ranking and one with ranks swapped.
 
 The base and moving traces are measured at 48, 64 and 80 GiB (the largest
 model is 42.5 GB, the catalogue 85 GB); the large ones at 30%, 45% and 60%

@@ -203,6 +203,9 @@ def _summary(rows: list[dict[str, Any]], families: list[str]) -> None:
         print(f"  {family:<8} {min(ratios):.3f} .. {max(ratios):.3f}")
     print()
     print("the gap of cost, per family (mean points over the offline optimum):")
+    print("  (one run a case, so the parts are noisy; they mean what they say where")
+    print("  popularity is stationary and the online optimum exact: where it moves, known")
+    print("  shares and the online optimum assume its average holds throughout)")
     for family in families:
         mine = [r for r in rows if r["family"] == family]
         cost, known, online = (

@@ -703,7 +703,8 @@ async def test_cost_aware_policy_keeps_the_model_that_is_slow_to_reload(kind: st
 async def test_cost_aware_policy_counts_the_room_a_victim_frees(kind: str) -> None:
     """The new entry is 25 bytes short: "small" (30 bytes, 6 s) is the cheaper reload and
     LRU's victim, but "big" (60 bytes, 7 s) frees 35 bytes more than that, credited
-    at half its 7/60 s a byte: about 7 - 2.0 against small's 6 - 0.3."""
+    at half the least value per byte among the candidates (big's 7/60 s): about
+    7 - 2.0 against small's 6 - 0.3."""
     plugin = Recorder()
     async with open_broker(kind, 100, policy="cost") as broker, broker.cache("p", plugin) as cache:
         async with cache.acquire("small", load=loader("s"), size=30, cost=6):
