@@ -521,11 +521,14 @@ def _cheapest_cover(
                 missing = without
         return chosen
 
+    best = greedy([])
+    if best is None:
+        return []
     # A cover's charge: its values less SURPLUS_CREDIT of the least value per
     # byte for each byte freed beyond the shortfall, per space (docs/policies.md).
+    # (A cover exists: every short space has candidates charged in it.)
     credit = [
-        SURPLUS_CREDIT
-        * min((values[e] / e.charge[space] for e in by_density if e.charge.get(space)), default=0)
+        SURPLUS_CREDIT * min(values[e] / e.charge[space] for e in by_density if e.charge.get(space))
         for space in need
     ]
 
@@ -538,9 +541,6 @@ def _cheapest_cover(
             return value + credit[0] * float(missing)
         return value + math.fsum(map(operator.mul, credit, missing))
 
-    best = greedy([])
-    if best is None:
-        return []
     best_cost = charged(best)
     for anchor in sorted(pool, key=weights.__getitem__, reverse=True)[:8]:
         if anchor is by_density[0] or not weights[anchor]:
