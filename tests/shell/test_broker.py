@@ -683,20 +683,19 @@ async def test_operations_outside_the_broker_block_fail_clearly() -> None:
         await broker.evict_idle()
 
 
-async def use(cache: cachebroker.Cache, key: str, load: Any, size: int) -> None:
-    async with cache.acquire(key, load=load, size=size):
+async def use(
+    cache: cachebroker.Cache, key: str, load: Any, size: int, cost: float | None = None
+) -> None:
+    async with cache.acquire(key, load=load, size=size, cost=cost):
         pass
 
 
 async def test_cost_aware_policy_keeps_the_model_that_is_slow_to_reload(kind: str) -> None:
     plugin = Recorder()
     async with open_broker(kind, 100, policy="cost") as broker, broker.cache("p", plugin) as cache:
-        async with cache.acquire("slow", load=loader("s"), size=40, cost=90):
-            pass
-        async with cache.acquire("fast", load=loader("f"), size=40, cost=3):
-            pass
-        async with cache.acquire("new", load=loader("n"), size=40, cost=1):
-            pass
+        await use(cache, "slow", loader("s"), 40, cost=90)
+        await use(cache, "fast", loader("f"), 40, cost=3)
+        await use(cache, "new", loader("n"), 40, cost=1)
         assert plugin.released == ["fast"]  # LRU would have evicted "slow"
 
 
@@ -707,12 +706,9 @@ async def test_cost_aware_policy_counts_the_room_a_victim_frees(kind: str) -> No
     7 - 2.0 against small's 6 - 0.3."""
     plugin = Recorder()
     async with open_broker(kind, 100, policy="cost") as broker, broker.cache("p", plugin) as cache:
-        async with cache.acquire("small", load=loader("s"), size=30, cost=6):
-            pass
-        async with cache.acquire("big", load=loader("b"), size=60, cost=7):
-            pass
-        async with cache.acquire("new", load=loader("n"), size=35, cost=1):
-            pass
+        await use(cache, "small", loader("s"), 30, cost=6)
+        await use(cache, "big", loader("b"), 60, cost=7)
+        await use(cache, "new", loader("n"), 35, cost=1)
         assert plugin.released == ["big"]
 
 
