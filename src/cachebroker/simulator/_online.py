@@ -368,21 +368,14 @@ class _Values:
             # value over the subsets of S, with k. Over the other keys' bits:
             with_k: list[slice] = [slice(None)] * count
             with_k[axis] = slice(1, 2)
-            best = cube[tuple(with_k)].copy()
-            for other in range(count):
-                if other != axis:
-                    view = np.moveaxis(best, other, 0)
-                    np.minimum(view[1:], view[:1], out=view[1:])
+            best = _least_over_subsets(cube[tuple(with_k)].copy())  # (k's axis: one cell)
             with_k[axis] = slice(0, 1)
             missing = added[tuple(with_k)]  # a view: the states without k
             missing += self.shares[k] * (self.costs[k] + best)
         for (share, cost), beside in zip(self.passing, self.fits_with, strict=True):
             # A passing key: keep the best subset of S it fits beside, load
             # it, drop it once served.
-            best = np.where(beside, table, np.inf).reshape((2,) * count)
-            for axis in range(count):
-                view = np.moveaxis(best, axis, 0)
-                np.minimum(view[1:], view[:1], out=view[1:])
+            best = _least_over_subsets(np.where(beside, table, np.inf).reshape((2,) * count))
             new += share * (cost + best.reshape(-1))
         return np.where(self.fits, new, np.inf)
 
@@ -399,6 +392,17 @@ class _Values:
                 tables.append(self.step(tables[-1]))
             self._segment, self._tables = segment, tables
         return self._tables[offset]
+
+
+def _least_over_subsets(cube: NDArray[np.float64]) -> NDArray[np.float64]:
+    """``cube`` (one axis per key, its bit) with each cell made the least over the
+    cells of its subsets, in place: one pass along each axis."""
+    import numpy as np
+
+    for axis in range(cube.ndim):
+        view = np.moveaxis(cube, axis, 0)
+        np.minimum(view[1:], view[:1], out=view[1:])
+    return cube
 
 
 def _loads(sizes: Sequence[int], cap: int) -> NDArray[Any]:
