@@ -37,3 +37,30 @@ def test_help_exits_0_and_lists_the_commands() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
     assert "demo" in result.stdout and "simulate" in result.stdout
+
+
+def test_version_names_the_package_and_its_version() -> None:
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout == f"cachebroker {cachebroker.__version__}\n"
+
+
+def test_a_reader_gone_before_the_output_ends_the_command_quietly() -> None:
+    """``cachebroker demo | head -1``: no traceback, the status of a tool SIGPIPE stopped."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SOURCE, os.environ.get("PYTHONPATH", "")])}
+    reader, writer = os.pipe()
+    os.close(reader)  # (gone before the first write: every write finds the pipe closed)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "cachebroker", "demo"],
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(writer)
+    assert result.returncode == 141, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr

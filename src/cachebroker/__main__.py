@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -27,13 +28,40 @@ COMMANDS = {
 }
 
 
+#: The exit status of a command whose reader went away (``| head``): a shell's for a
+#: tool that SIGPIPE stopped (128 + 13).
+BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BaseException as exc:
+        if not _broken_pipe(exc):
+            raise
+        # Quiet, as a pipe's writer is; and nothing is written to the closed pipe at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
+
+
+def _broken_pipe(exc: BaseException) -> bool:
+    """Whether ``exc`` (or every exception of its group) is a write to a closed pipe."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_broken_pipe(inner) for inner in exc.exceptions)
+    return isinstance(exc, BrokenPipeError)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from cachebroker import __version__
+
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="cachebroker", description="An asyncio-native cache broker for models in memory."
     )
+    parser.add_argument("--version", action="version", version=f"cachebroker {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    # The top-level parser has no options but --help: the first other word is the command.
+    # The top-level parser has no options but --help and --version: the first other
+    # word is the command.
     chosen = next((word for word in argv if not word.startswith("-")), None)
     for name, (module, help) in COMMANDS.items():
         if name == chosen:

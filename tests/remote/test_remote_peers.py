@@ -739,6 +739,8 @@ def test_the_daemon_s_limits_are_checked(
         (["--hello-timeout", "-1"], "--hello-timeout must be a positive number of seconds"),
         (["--hello-timeout", "inf"], "--hello-timeout must be a positive number of seconds"),
         (["--hello-timeout", "soon"], "--hello-timeout must be a number of seconds, got 'soon'"),
+        (["--idle-ttl", "-1"], "--idle-ttl '-1': expected a non-negative number of seconds"),
+        (["--release-timeout", "x"], "--release-timeout 'x': expected a number of seconds (0 wait"),
     ],
 )
 def test_serve_says_what_is_wrong_with_its_limits(
@@ -748,6 +750,24 @@ def test_serve_says_what_is_wrong_with_its_limits(
         main(["serve", "--budget", "1MiB", "--socket", "/tmp/unused.sock", *option])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("socket", "message"),
+    [
+        ("/tmp/cb-no-such-dir/s.sock", "directory /tmp/cb-no-such-dir cannot be used (No such"),
+        ("/tmp/" + "s" * 120 + ".sock", "is 130 bytes; a Unix socket's path holds at most"),
+    ],
+    ids=["no-directory", "too-long"],
+)
+def test_serve_says_what_is_wrong_with_its_socket_path(
+    socket: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--budget", "1MiB", "--socket", socket]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cachebroker serve: error: "), err
+    assert message in err and "(--socket)" in err, err
+    assert not os.path.exists(socket)
 
 
 @linux

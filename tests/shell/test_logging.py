@@ -8,11 +8,14 @@ for the test (``structlog_unconfigured``).
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -281,3 +284,34 @@ async def test_listeners_get_events_whatever_the_level(
         await hit_twice(broker)
     assert not [r for r in caplog.records if r.name == "cachebroker"]
     assert seen[:3] == ["cachebroker.grant", "cachebroker.load.start", "cachebroker.load.done"]
+
+
+@pytest.mark.anyio
+async def test_a_logger_that_raises_loses_its_events_not_the_books(kind: str) -> None:
+    """A closed pipe under the application's logger: every acquire is served, the books
+    stay exact, and one ``RuntimeWarning`` says the events are being dropped."""
+
+    def closed_pipe(logger: Any, method: str, event: Mapping[str, Any]) -> str:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    logger = structlog.wrap_logger(
+        structlog.PrintLogger(io.StringIO()),
+        processors=[closed_pipe],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with open_broker(kind, budget=2, logger=logger) as broker:
+            async with broker.cache("p", release) as cache:
+                for key in "abc":  # (c evicts a: a release, and its events, in the step)
+                    async with cache.acquire(key, load=load, size=1) as lease:
+                        assert lease.value == b"x"
+                stats = await broker.stats()
+                assert stats.used == {"default": 2}, stats
+                assert stats.releasing == 0, stats
+                entries = await broker.entries()
+                assert sorted((e.key, e.state) for e in entries) == [("b", "ready"), ("c", "ready")]
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1, said
+    assert caught[0].category is RuntimeWarning
+    assert re.search(r"logger \(BoundLoggerFilteringAtDebug\) raised BrokenPipeError", said[0])

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -622,6 +623,10 @@ def _why(exc: Exception) -> str:
 
 # ---------------------------------------------------------------- the socket
 
+#: The longest path a Unix socket can be bound at (``sun_path`` holds 108 bytes, with
+#: the terminating NUL on Linux; macOS's holds 104).
+MAX_SOCKET_PATH = 107 if sys.platform.startswith("linux") else 103
+
 
 async def _listen(address: str) -> anyio.abc.SocketListener:
     """A Unix-socket listener at ``address``, mode 0600, replacing a stale socket.
@@ -630,7 +635,19 @@ async def _listen(address: str) -> anyio.abc.SocketListener:
     directory is writable by other users (they could replace the socket).
     """
     directory = os.path.dirname(os.path.abspath(address))  # noqa: ASYNC240 - once, at start
-    info = os.stat(directory)
+    length = len(os.fsencode(address))
+    if length > MAX_SOCKET_PATH:
+        raise InvalidArgument(
+            f"the socket path {address} is {length} bytes; a Unix socket's path holds at most "
+            f"{MAX_SOCKET_PATH}: choose a shorter one (--socket)"
+        )
+    try:
+        info = os.stat(directory)
+    except OSError as exc:
+        raise InvalidArgument(
+            f"the socket's directory {directory} cannot be used ({exc.strerror}): "
+            "create it or choose another path (--socket)"
+        ) from None
     if info.st_mode & 0o022 and not info.st_mode & 0o1000:
         raise InvalidArgument(
             f"the socket's directory {directory} is writable by other users: "
@@ -654,7 +671,12 @@ async def _listen(address: str) -> anyio.abc.SocketListener:
         else:
             await stream.aclose()
             raise InvalidArgument(f"a broker already serves {address}")
-    return await listen(address)
+    try:
+        return await listen(address)
+    except OSError as exc:
+        raise InvalidArgument(
+            f"cannot listen on {address} ({exc.strerror or exc}): choose another path (--socket)"
+        ) from None
 
 
 def _unlink(address: str, inode: int) -> None:

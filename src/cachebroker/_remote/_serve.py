@@ -7,7 +7,9 @@ import math
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
 
 import anyio
 import structlog
@@ -17,6 +19,8 @@ from .._shell._config import _parse_env_tiers, _parse_env_ttl, budget_value
 from .._units import format_bytes
 from ._daemon import GRACE, HELLO_TIMEOUT, MAX_PENDING, Daemon, DaemonBroker
 from ._protocol import default_address
+
+T = TypeVar("T")
 
 __all__ = ["add_parser", "run"]
 
@@ -92,9 +96,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         # The grammar of Broker(budget=...) and CACHEBROKER_BUDGET, probed spaces included.
         budget = budget_value(args.budget, what="--budget")
-        idle_ttl = None if args.idle_ttl is None else _parse_env_ttl(args.idle_ttl)
+        idle_ttl = None
+        if args.idle_ttl is not None:
+            idle_ttl = _option("--idle-ttl", args.idle_ttl, _parse_env_ttl)
         tiers = _parse_env_tiers(args.tiers) if args.tiers and args.tiers.strip() else None
-        release_timeout = _parse_env_ttl(args.release_timeout)
+        release_timeout = _option(
+            "--release-timeout", args.release_timeout, partial(_parse_env_ttl, zero="waits forever")
+        )
         grace = _seconds(args.grace, "--grace", zero=True)
         max_pending = _count(args.max_pending, "--max-pending")
         hello_timeout = _seconds(args.hello_timeout, "--hello-timeout")
@@ -135,6 +143,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"cachebroker serve: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _option(what: str, raw: str, parse: Callable[[str], T]) -> T:
+    """``parse(raw)``, its error naming the option it came from."""
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"{what} {raw!r}: {exc}") from None
 
 
 def _count(raw: str, what: str) -> int:

@@ -330,13 +330,14 @@ def _parse_env_tiers(raw: str) -> dict[str, str]:
     )
 
 
-def _parse_env_ttl(raw: str) -> float | None:
+def _parse_env_ttl(raw: str, zero: str = "turns idle eviction off") -> float | None:
+    """``raw`` as seconds, ``0`` as ``None`` (what ``zero`` says it does)."""
     try:
         seconds = float(raw)
     except ValueError:
-        raise InvalidArgument("expected a number of seconds (0 turns idle eviction off)") from None
+        raise InvalidArgument(f"expected a number of seconds (0 {zero})") from None
     if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidArgument("expected a non-negative number of seconds")
+        raise InvalidArgument(f"expected a non-negative number of seconds (0 {zero})")
     return seconds or None
 
 

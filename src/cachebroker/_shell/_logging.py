@@ -11,13 +11,15 @@ logger's level may change at any time (see ``debug_check`` for hits).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
 
-__all__ = ["NAME", "StdlibEvents", "check_logger", "debug_check", "open_events"]
+__all__ = ["NAME", "Guarded", "StdlibEvents", "check_logger", "debug_check", "open_events"]
 
 #: The stdlib logger (and the structlog logger name) the broker logs to by default.
 NAME = "cachebroker"
@@ -100,15 +102,91 @@ def check_logger(logger: object) -> object:
     )
 
 
-def open_events(logger: object) -> Any:
+def open_events(logger: object) -> Guarded:
     """The logger a starting broker logs through, given its ``logger=`` argument."""
     if logger is None:
         if structlog.is_configured():
-            return structlog.get_logger(NAME).bind()
-        return StdlibEvents(logging.getLogger(NAME))
+            return Guarded(structlog.get_logger(NAME).bind())
+        return Guarded(StdlibEvents(logging.getLogger(NAME)))
     if isinstance(logger, StdlibLogger):
-        return StdlibEvents(logger)
-    return logger.bind()  # type: ignore[attr-defined]
+        return Guarded(StdlibEvents(logger))
+    return Guarded(logger.bind())  # type: ignore[attr-defined]
+
+
+class Guarded:
+    """The application's logger, kept from failing the broker.
+
+    An event is logged from inside the broker's steps: a logger that raises
+    there (a closed pipe under a ``PrintLogger``, a failing processor or
+    filter) would stop the step half-done and leave reservations behind.
+    What the logger raises is dropped with its event instead; the first
+    failure says so in one ``RuntimeWarning`` (lost in turn if the warning
+    cannot be shown either), and ``failures`` counts them.
+    """
+
+    __slots__ = ("_log", "failures", "is_enabled_for")
+
+    def __init__(self, log: Any) -> None:
+        self._log = log
+        self.failures = 0
+        check = debug_check(log)
+        self.is_enabled_for: Callable[[int], bool] = (
+            check if check is _always else self._guard_check(check)
+        )
+
+    def _guard_check(self, check: Callable[[int], bool]) -> Callable[[int], bool]:
+        def is_enabled_for(level: int) -> bool:
+            try:
+                return check(level)
+            except Exception as exc:
+                self._failed(exc)
+                return False
+
+        return is_enabled_for
+
+    def debug(self, event: str, **fields: Any) -> None:
+        """Log ``event`` at ``DEBUG``."""
+        try:
+            self._log.debug(event, **fields)
+        except Exception as exc:
+            self._failed(exc)
+
+    def info(self, event: str, **fields: Any) -> None:
+        """Log ``event`` at ``INFO``."""
+        try:
+            self._log.info(event, **fields)
+        except Exception as exc:
+            self._failed(exc)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        """Log ``event`` at ``WARNING``."""
+        try:
+            self._log.warning(event, **fields)
+        except Exception as exc:
+            self._failed(exc)
+
+    def error(self, event: str, **fields: Any) -> None:
+        """Log ``event`` at ``ERROR``."""
+        try:
+            self._log.error(event, **fields)
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        self.failures += 1
+        if self.failures > 1:
+            return
+        # (Lost in turn where warnings are errors, or there is no stderr to show it on.)
+        with contextlib.suppress(Exception):
+            warnings.warn(
+                f"cachebroker: its logger ({type(self._log).__name__}) raised {exc!r}; "
+                "the broker goes on and drops the events it cannot log",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def __repr__(self) -> str:
+        return f"<Guarded {self._log!r}>"
 
 
 def debug_check(log: Any) -> Callable[[int], bool]:
