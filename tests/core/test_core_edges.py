@@ -77,6 +77,30 @@ def test_measured_size_is_remembered_across_evictions_and_reserved() -> None:
     assert h2.entry.need == {"m": 45}  # reserved before the load, from memory
 
 
+def test_a_measured_size_beyond_the_limit_is_the_keys_alone_not_the_caches_estimate() -> None:
+    h = Harness({"m": 100})
+    a = h.core.request(h.owner, Request("a"), "t")
+    h.drain()
+    h.finish(a.entry, measured={"m": 10})
+    h.end(a)
+    oops = h.core.request(h.owner, Request("oops"), "t")
+    h.drain()
+    h.finish(oops.entry, measured={"m": 800})  # (a measure in the wrong unit, say)
+    assert isinstance(oops.outcome, RequestTooLarge)
+    h.ack(h.releasing[0])
+    # The key keeps its size: asked again, it is refused before its loader runs.
+    with pytest.raises(RequestTooLarge, match="p:'oops' needs 800 B"):
+        h.core.request(h.owner, Request("oops"), "t")
+    # Another load of unknown size reserves the largest size that fits (a's),
+    # not the whole space: a stays.
+    b = h.core.request(h.owner, Request("b"), "t")
+    h.drain()
+    assert b.entry.state is State.LOADING
+    assert b.entry.charge == {"m": 10}
+    assert h.released == [("oops", Reason.REJECTED)]
+    h.core.check()
+
+
 def test_measured_size_above_what_quarantine_leaves_is_refused() -> None:
     h = Harness({"m": 100})
     resident(h, "q", 60)

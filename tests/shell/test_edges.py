@@ -28,6 +28,7 @@ from cachebroker import (
     InvalidArgument,
     Lease,
     LeasesOutstanding,
+    RequestTooLarge,
     WrongEventLoop,
 )
 from tests.brokers import daemon_of, open_broker
@@ -108,6 +109,25 @@ async def test_measure_corrects_a_declared_size_and_is_remembered(kind: str) -> 
             assert broker.stats_nowait().used == {"default": 300}
             gate.set()
     assert broker.export_sizes() == {"p": {"a": {"default": 300}}}  # after the block, too
+
+
+async def test_a_measured_size_refused_as_too_large_does_not_become_the_caches_estimate(
+    kind: str,
+) -> None:
+    """A measure in the wrong unit, once: the key is refused, the other unknown loads
+    of the cache still share the budget (they do not each reserve all of it)."""
+    plugin = Memory()
+    async with open_broker(kind, budget=1000) as broker, broker.cache("p", plugin) as cache:
+        with pytest.raises(RequestTooLarge, match=r"p:'oops' needs 7\.8 KiB"):
+            async with cache.acquire("oops", load=plugin.load(8), measure=lambda v: 8000):
+                pass
+        for key in ("m1", "m2", "m3"):
+            async with cache.acquire(key, load=plugin.load(100), measure=len):
+                pass
+        assert sorted(str(e.key) for e in await broker.entries()) == ["m1", "m2", "m3"]
+        with pytest.raises(RequestTooLarge, match=r"p:'oops' needs 7\.8 KiB"):
+            await cache.acquire("oops", load=plugin.load(8), measure=lambda v: 8000)
+    assert broker.export_sizes()["p"]["oops"] == {"default": 8000}
 
 
 async def test_sizes_exported_by_one_broker_are_reserved_by_the_next(kind: str) -> None:
