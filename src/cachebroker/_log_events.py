@@ -41,6 +41,8 @@ PROBE_FAILED: Final = "cachebroker.probe.failed"
 RELEASE_REFUSED: Final = "cachebroker.release.refused"
 PEER_CONNECTED: Final = "cachebroker.peer.connected"
 PEER_GONE: Final = "cachebroker.peer.gone"
+PEER_KEPT: Final = "cachebroker.peer.kept"
+PEER_RETURNED: Final = "cachebroker.peer.returned"
 PEER_REFUSED: Final = "cachebroker.peer.refused"
 PEER_FAILED: Final = "cachebroker.peer.failed"
 ACCEPT_FAILED: Final = "cachebroker.accept.failed"
@@ -82,6 +84,8 @@ ALL: Final = (
     RELEASE_REFUSED,
     PEER_CONNECTED,
     PEER_GONE,
+    PEER_KEPT,
+    PEER_RETURNED,
     PEER_REFUSED,
     PEER_FAILED,
     ACCEPT_FAILED,

@@ -32,6 +32,7 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from cachebroker import Broker, BrokerClosed, format_bytes
+from cachebroker import _log_events as ev
 from cachebroker._core import Reason
 from cachebroker._remote import _client
 from cachebroker._remote import _protocol as wire
@@ -349,6 +350,8 @@ async def test_a_killed_process_gives_its_bytes_back(procs: Procs, moment: str) 
     out of the daemon's books at once: another process's waiting request is granted."""
     with anyio.fail_after(30):
         async with serving(procs.socket, 100) as daemon:
+            said: list[tuple[str, dict[str, Any]]] = []
+            daemon.broker.add_listener(lambda event, fields: said.append((event, fields)))
             first = {"do": "acquire", "key": "a", "size": 60}
             victim = procs.steps(
                 "victim",
@@ -392,6 +395,15 @@ async def test_a_killed_process_gives_its_bytes_back(procs: Procs, moment: str) 
             await wait_until(lambda: not daemon.connections)
             check_books(daemon)
             assert daemon.totals()["used"] == {"default": 0}
+        # What the daemon said of the victim's bytes: its own words, not a load's
+        # (no load of "(connections ended)" started, nor failed at warning level).
+        theirs = [(e, f) for e, f in said if f.get("pid") == victim.pid]
+        assert not [f for _, f in said if "(connections ended)" in str(f.get("cache"))], said
+        kept = [f for e, f in theirs if e == ev.PEER_KEPT]
+        returned = [f for e, f in theirs if e == ev.PEER_RETURNED]
+        assert len(kept) == len(returned) == 1, theirs
+        assert kept[0]["bytes"] == returned[0]["bytes"] == {"default": 60}
+        assert returned[0]["why"] == "ended"
 
 
 # ------------------------------------------------------------------ the daemon stops

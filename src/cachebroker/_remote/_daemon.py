@@ -190,16 +190,22 @@ class Daemon:
         self.runner.adopt(
             self._gone_block.owner,
             key,
-            functools.partial(self._hold, connection.pid, back),
+            functools.partial(self._hold, connection.pid, back, charge),
             _measured,
             charge,
         )
+        self.runner.emit(
+            "info", ev.PEER_KEPT, address=self.address, pid=connection.pid, bytes=charge
+        )
 
-    async def _hold(self, pid: int, back: anyio.Event) -> object:
+    async def _hold(self, pid: int, back: anyio.Event, charge: dict[str, int]) -> object:
         """Hold a lost connection's bytes until process ``pid`` ends or registers again.
 
         Meanwhile ``pid`` stays in the peers file: a daemon started after this
-        one waits for it too.
+        one waits for it too. The hold is a load that never returns: its end
+        (``LoadFailed``) takes the bytes out of the books, and its cache is
+        quiet (``Block.quiet``), so what is said of it is ``peer.kept`` and
+        ``peer.returned``.
         """
         try:
             while not back.is_set() and _alive(pid):
@@ -210,6 +216,14 @@ class Daemon:
             if not self._holding[pid]:
                 del self._holding[pid]
         self._write_peers()  # (not when the daemon stops: the next one waits for it)
+        self.runner.emit(
+            "info",
+            ev.PEER_RETURNED,
+            address=self.address,
+            pid=pid,
+            bytes=charge,
+            why="registered again" if back.is_set() else "ended",
+        )
         raise LoadFailed(f"process {pid} ended or registered again: its bytes are back")
 
     def _open_gate_if_due(self) -> None:
@@ -298,7 +312,9 @@ class Daemon:
         self.expected = self._read_peers() - {os.getpid()}
         try:
             async with self.broker:
-                gone = self._gone_block = await self.runner.open_block(_GONE, _nothing)
+                gone = self._gone_block = await self.runner.open_block(
+                    _GONE, _nothing, quiet=True
+                )
                 try:
                     async with listener, anyio.create_task_group() as connections:
                         if self.expected:

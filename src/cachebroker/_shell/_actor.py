@@ -64,6 +64,7 @@ class Block:
         "move",
         "name",
         "owner",
+        "quiet",
         "release",
         "shut_wait",
         "tg",
@@ -76,9 +77,15 @@ class Block:
         tg: anyio.abc.TaskGroup,
         move: MoveFunction | None = None,
         elsewhere: Elsewhere | None = None,
+        *,
+        quiet: bool = False,
     ) -> None:
         self.owner = owner
         self.name = owner.name
+        #: The broker's own bookkeeping, no application's cache (the bytes a daemon
+        #: keeps for a lost connection): its loads are not announced as loads; what
+        #: holds them says what they are.
+        self.quiet = quiet
         self.release = release
         #: The releaser's ``move(key, value, to)``, if it offers one (tiers).
         self.move = move

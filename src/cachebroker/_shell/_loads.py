@@ -86,6 +86,12 @@ class Loads:
                 cache.elsewhere.granted(entry.key, self._space(entry))
         cache.spawn(self._run, entry, name=f"cachebroker load {cache.name}:{entry.key!r}")
 
+    def _announce(self, entry: Entry, level: str, event: str, **fields: Any) -> None:
+        """Emit a load's ``event``, unless its cache is the broker's own (``Block.quiet``)."""
+        cache = self._caches.get(entry.owner)
+        if cache is None or not cache.quiet:
+            self._steps.emit(level, event, **fields)
+
     def _space(self, entry: Entry) -> str | None:
         """Where the books placed ``entry``, for a request that let them choose (``spaces=``)."""
         if not entry.shell.placed:
@@ -94,7 +100,8 @@ class Loads:
 
     def _granted(self, entry: Entry) -> None:
         """``cachebroker.grant``: ``entry``'s bytes are its load's (the wait for space is over)."""
-        self._steps.emit(
+        self._announce(
+            entry,
             "debug",
             ev.GRANT,
             cache=entry.owner.name,
@@ -129,7 +136,8 @@ class Loads:
             space = self._space(entry)
             if space is not None:  # the loader learns where (once granted), by the name it gave
                 slot.load = functools.partial(slot.load, space)
-            steps.emit(
+            self._announce(
+                entry,
                 "info",
                 ev.LOAD_START,
                 cache=entry.owner.name,
@@ -167,7 +175,8 @@ class Loads:
             )
         if entry.idle_seq:
             self._note_idle(entry)
-        steps.emit(
+        self._announce(
+            entry,
             "info",
             ev.LOAD_DONE,
             cache=cache_name,
@@ -191,11 +200,13 @@ class Loads:
         cache_name = entry.owner.name
         steps = self._steps
         if fault is Fault.CANCELLED:
-            steps.emit("info", ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
+            self._announce(entry, "info", ev.LOAD_CANCELLED, cache=cache_name, key=entry.key)
             cancelled = BrokerClosed(f"the load of {cache_name}:{entry.key!r} was cancelled")
             steps.core.load_failed(entry, cancelled, cancelled=True)
         else:
-            steps.emit("warning", ev.LOAD_FAILED, cache=cache_name, key=entry.key, error=repr(exc))
+            self._announce(
+                entry, "warning", ev.LOAD_FAILED, cache=cache_name, key=entry.key, error=repr(exc)
+            )
             error = exc
             if not isinstance(exc, Exception):
                 error = LoadFailed(f"loading {cache_name}:{entry.key!r} raised {exc!r}")

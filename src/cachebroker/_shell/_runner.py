@@ -257,8 +257,10 @@ class Runner:
         ttl: float | None = None,
         move: MoveFunction | None = None,
         elsewhere: Elsewhere | None = None,
+        quiet: bool = False,
     ) -> Block:
-        """Open cache ``name``: its owner in the books (with its defaults), its task group."""
+        """Open cache ``name``: its owner in the books (with its defaults), its task group
+        (``quiet``: the broker's own, ``Block.quiet``)."""
         owner = self.core.open_owner(
             name, slots=slots, priority=priority, ttl=ttl, moves=move is not None
         )
@@ -268,7 +270,7 @@ class Runner:
         except BaseException:
             self.core.forget_owner(owner)
             raise
-        cache = self._caches[owner] = Block(owner, release, tg, move, elsewhere)
+        cache = self._caches[owner] = Block(owner, release, tg, move, elsewhere, quiet=quiet)
         self.remote.cache_opened(name, move is not None)
         return cache
 

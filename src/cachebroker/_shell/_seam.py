@@ -262,10 +262,12 @@ class Relay(Protocol):
         *,
         move: MoveFunction | None = None,
         elsewhere: Elsewhere | None = None,
+        quiet: bool = False,
     ) -> Block:
         """Open the cache ``name`` of a process (its entries released through ``release``,
         and moved between tiers through ``move``, when its releaser can); ``elsewhere``
-        is told of its grants and releases in the step that decides them."""
+        is told of its grants and releases in the step that decides them; ``quiet``:
+        the daemon's own, whose loads are not announced (``Block.quiet``)."""
 
     async def close_block(
         self,
