@@ -350,7 +350,7 @@ async def test_a_killed_process_gives_its_bytes_back(procs: Procs, moment: str) 
     out of the daemon's books at once: another process's waiting request is granted."""
     with anyio.fail_after(30):
         async with serving(procs.socket, 100) as daemon:
-            said: list[tuple[str, dict[str, Any]]] = []
+            said: list[tuple[str, Mapping[str, Any]]] = []
             daemon.broker.add_listener(lambda event, fields: said.append((event, fields)))
             first = {"do": "acquire", "key": "a", "size": 60}
             victim = procs.steps(

@@ -312,9 +312,7 @@ class Daemon:
         self.expected = self._read_peers() - {os.getpid()}
         try:
             async with self.broker:
-                gone = self._gone_block = await self.runner.open_block(
-                    _GONE, _nothing, quiet=True
-                )
+                gone = self._gone_block = await self.runner.open_block(_GONE, _nothing, quiet=True)
                 try:
                     async with listener, anyio.create_task_group() as connections:
                         if self.expected:
