@@ -75,6 +75,7 @@ def test_from_env_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     ("kwargs", "error", "match"),
     [
         ({"idle_ttl": 0}, ValueError, "idle_ttl must be a positive"),
+        ({"idle_ttl": 0.0}, ValueError, r"give idle_ttl=0 to broker\.cache\(\.\.\.\) or acquire"),
         ({"idle_ttl": "5"}, TypeError, "idle_ttl must be a number"),
         ({"release_timeout": -1}, ValueError, "release_timeout must be a positive"),
         ({"policy": "mru"}, ValueError, "unknown policy 'mru'"),

@@ -159,6 +159,14 @@ class Broker:
         checked_probe_interval = positive_seconds(probe_interval, "probe_interval")
         oom_types = oom_error_types(oom_errors)
         oom_retries = oom_retry_bound(oom_retries)
+        if idle_ttl == 0 and not isinstance(idle_ttl, bool):
+            # (0 means "off" in CACHEBROKER_IDLE_TTL and serve --idle-ttl, and "at the
+            # last lease's end" for a cache or an acquire: say which is which.)
+            raise InvalidArgument(
+                f"idle_ttl must be a positive number of seconds or None, got {idle_ttl!r}: "
+                "None keeps idle entries until they are evicted; to release each entry when "
+                "its last lease ends, give idle_ttl=0 to broker.cache(...) or acquire(...)"
+            )
         idle_ttl = positive_seconds(idle_ttl, "idle_ttl", inf_is_none=True)
         release_timeout = positive_seconds(release_timeout, "release_timeout", inf_is_none=True)
         blocking_warning = positive_seconds(blocking_warning, "blocking_warning", inf_is_none=True)
