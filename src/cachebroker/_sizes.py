@@ -45,6 +45,9 @@ def parse_bytes(value: object, *, what: str = "size") -> int:
     if isinstance(value, str):
         match = QUANTITY.match(value)
         unit = match.group("unit").lower() if match else ""
+        negated = QUANTITY.match(value.strip()[1:]) if value.strip().startswith("-") else None
+        if negated is not None and negated.group("unit").lower() in UNITS:
+            raise InvalidArgument(f"{what} must not be negative, got {value!r}")
         if match is None or unit not in UNITS:
             raise InvalidArgument(
                 f"{what} {value!r} is not a byte quantity; expected a number with an "

@@ -109,6 +109,7 @@ def test_probes_and_callables_in_a_mapping_stay_probes() -> None:
         ("m=lots", "space 'm' 'lots' is not a byte quantity"),
         ("m=system-lots", "the headroom 'lots' is not a byte quantity"),
         ("m=0.5B", "not a whole number of bytes"),
+        ("m=-5GiB", "space 'm' must not be negative, got '-5GiB'"),
     ],
 )
 def test_every_door_names_itself_and_what_is_wrong(

@@ -89,7 +89,7 @@ def test_columns_may_come_in_any_order() -> None:
         ("2,,10,1", 3, "key", "must not be empty"),
         ("2,k,lots,1", 3, "size", "size 'lots' is not a byte quantity"),
         ("2,k,,1", 3, "size", "must not be empty"),
-        ("2,k,-5,1", 3, "size", "is not a byte quantity"),
+        ("2,k,-5,1", 3, "size", "size must not be negative, got '-5'"),
         ("2,k,10,-1", 3, "load_seconds", "non-negative number of seconds, got '-1'"),
         ("2,k,10,inf", 3, "load_seconds", "non-negative number of seconds"),
         ("2,k,10", 3, None, "expected 4 fields (time, key, size, load_seconds), got 3"),
