@@ -329,8 +329,11 @@ def test_budgets_are_resolved_to_the_trace_space() -> None:
     two = [*trace, Request(time=1, key="b", size={"ram": 10}, load_seconds=1)]
     with pytest.raises(ValueError, match="give each a budget"):
         resolve_budgets(["1KiB"], two)
-    with pytest.raises(ValueError, match="no amount for the space"):
+    with pytest.raises(ValueError, match=r"budget ram=100 B has no amount for the space\(s\) cuda"):
         resolve_budgets([{"ram": 100}], two)
+    unnamed = [Request(time=0, key="a", size={"default": 10}, load_seconds=1)]
+    with pytest.raises(ValueError, match=r"cuda:0=8\.0 GiB has no amount .* give one amount"):
+        resolve_budgets(["cuda:0=8GiB"], unnamed)
     assert resolve_budgets([{"ram": "1KiB", "cuda:0": 5}], two) == [{"ram": 1024, "cuda:0": 5}]
 
 

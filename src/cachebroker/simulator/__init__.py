@@ -160,9 +160,15 @@ def resolve_budgets(
             parsed = {spaces[0]: parsed[_DEFAULT_SPACE]}
         missing = [space for space in spaces if space not in parsed]
         if missing:
+            given = ",".join(f"{space}={format_bytes(amount)}" for space, amount in parsed.items())
             raise InvalidArgument(
-                f"budget {_budget_label(parsed)} has no amount for the space(s) "
+                f"budget {given} has no amount for the space(s) "
                 f"{', '.join(missing)} that the trace uses"
+                + (
+                    " (its sizes name no space: give one amount, such as 8GiB)"
+                    if spaces == [_DEFAULT_SPACE] and len(parsed) == 1
+                    else ""
+                )
             )
         resolved.append(parsed)
     if not resolved:
