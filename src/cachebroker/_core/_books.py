@@ -27,7 +27,7 @@ from . import (
 from ._effects import CancelLoad, Quarantined
 from ._model import Entry, Owner, Reason, Request, State, Ticket, _naming, _shrink_if_empty, sync
 from ._scheduler import schedule
-from ._state import Books, keep
+from ._state import Books
 from ._tiers import canonical
 
 __all__ = ["Core"]
@@ -403,21 +403,8 @@ class Core(Books):
     # ------------------------------------------------------------------ sizes
 
     def remember(self, cache: str, key: Hashable, charge: Mapping[str, int]) -> None:
-        """Remember the measured size of ``key`` in ``cache`` (space names as given).
-
-        The key keeps it even beyond a space's limit (its next request is refused
-        before its loader runs), but such a size is no estimate for the cache's
-        other loads of unknown size: reserving it (capped at the limit) would
-        evict the whole space for each of them.
-        """
-        keep(self.sizes, (cache, key), dict(charge))
-        largest = self.largest.setdefault(cache, {})
-        for name, amount in charge.items():
-            space = self.spaces.get(self.canon.get(name, name))
-            if space is not None and amount > space.limit:
-                continue
-            if amount > largest.get(name, 0):
-                largest[name] = amount
+        """Remember the measured size of ``key`` in ``cache`` (space names as given)."""
+        _transitions.remember_size(self, cache, key, charge)
 
     # ------------------------------------------------------------------- loads
 

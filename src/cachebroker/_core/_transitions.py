@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from .._errors import BrokerClosed
@@ -371,6 +371,24 @@ def open_gate(books: Books, entry: Entry) -> bool:
         return False
     pass_gate(books, following)
     return True
+
+
+def remember_size(books: Books, cache: str, key: Hashable, charge: Mapping[str, int]) -> None:
+    """Remember the measured size of ``key`` in ``cache`` (``Books.remember``).
+
+    The key keeps it even beyond a space's limit (its next request is refused
+    before its loader runs), but such a size is no estimate for the cache's
+    other loads of unknown size: reserving it (capped at the limit) would
+    evict the whole space for each of them.
+    """
+    keep(books.sizes, (cache, key), dict(charge))
+    largest = books.largest.setdefault(cache, {})
+    for name, amount in charge.items():
+        space = books.spaces.get(books.canon.get(name, name))
+        if space is not None and amount > space.limit:
+            continue
+        if amount > largest.get(name, 0):
+            largest[name] = amount
 
 
 def remember_load(books: Books, entry: Entry, seconds: float) -> None:
