@@ -37,7 +37,7 @@ def test_quantities_parse_to_bytes(text: str, expected: int) -> None:
         ("", InvalidArgument, "not a byte quantity"),
         ("GiB", InvalidArgument, "not a byte quantity"),
         ("12 parsecs", InvalidArgument, "not a byte quantity"),
-        ("-5MiB", InvalidArgument, "not a byte quantity"),
+        ("-5MiB", InvalidArgument, "must not be negative"),
         (-1, InvalidArgument, "must not be negative"),
         (float("nan"), InvalidArgument, "whole, non-negative"),
         (2.5, InvalidArgument, "whole, non-negative"),
