@@ -146,29 +146,23 @@ class Guarded:
 
     def debug(self, event: str, **fields: Any) -> None:
         """Log ``event`` at ``DEBUG``."""
-        try:
-            self._log.debug(event, **fields)
-        except Exception as exc:
-            self._failed(exc)
+        self._call("debug", event, fields)
 
     def info(self, event: str, **fields: Any) -> None:
         """Log ``event`` at ``INFO``."""
-        try:
-            self._log.info(event, **fields)
-        except Exception as exc:
-            self._failed(exc)
+        self._call("info", event, fields)
 
     def warning(self, event: str, **fields: Any) -> None:
         """Log ``event`` at ``WARNING``."""
-        try:
-            self._log.warning(event, **fields)
-        except Exception as exc:
-            self._failed(exc)
+        self._call("warning", event, fields)
 
     def error(self, event: str, **fields: Any) -> None:
         """Log ``event`` at ``ERROR``."""
+        self._call("error", event, fields)
+
+    def _call(self, level: str, event: str, fields: dict[str, Any]) -> None:
         try:
-            self._log.error(event, **fields)
+            getattr(self._log, level)(event, **fields)
         except Exception as exc:
             self._failed(exc)
 
