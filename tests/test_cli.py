@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import cachebroker
@@ -64,3 +65,36 @@ def test_a_reader_gone_before_the_output_ends_the_command_quietly() -> None:
         os.close(writer)
     assert result.returncode == 141, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_serve_with_its_stderr_closed_serves_all_the_same(tmp_path: Path) -> None:
+    """Nobody reads the daemon's stderr (its reader gone before the banner): it serves,
+    answers ``ps`` and stops cleanly on SIGTERM."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SOURCE, os.environ.get("PYTHONPATH", "")])}
+    socket = str(tmp_path / "s.sock")
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "cachebroker", "serve", "--budget", "1MiB", "--socket", socket],
+            stdout=subprocess.DEVNULL,
+            stderr=writer,
+            env=env,
+        )
+    finally:
+        os.close(writer)
+    try:
+        listing = None
+        for _ in range(600):  # (at most a minute, by tenths)
+            assert daemon.poll() is None, f"the daemon exited with status {daemon.returncode}"
+            if os.path.exists(socket):
+                listing = run_cli("ps", "--socket", socket)
+                if listing.returncode == 0:
+                    break
+            time.sleep(0.1)
+        assert listing is not None and listing.returncode == 0, listing
+        assert listing.stdout.startswith("broker pid "), listing.stdout
+    finally:
+        daemon.terminate()
+        status = daemon.wait(timeout=60)
+    assert status == 0

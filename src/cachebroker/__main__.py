@@ -8,6 +8,7 @@ and a ``run(args, parser) -> int``; only the command being run is imported, so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -39,8 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:
         if not _broken_pipe(exc):
             raise
-        # Quiet, as a pipe's writer is; and nothing is written to the closed pipe at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # Quiet, as a pipe's writer is; and nothing is written to the closed pipe at exit
+        # (where stdout is a file at all: it may be closed, or a stream with no descriptor).
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return BROKEN_PIPE
 
 

@@ -31,6 +31,7 @@ from cachebroker import (
     RequestTooLarge,
     WrongEventLoop,
 )
+from cachebroker.probes import Probe
 from tests.brokers import daemon_of, open_broker
 from tests.helpers import Recorder, loader, wait_until
 
@@ -128,6 +129,40 @@ async def test_a_measured_size_refused_as_too_large_does_not_become_the_caches_e
         with pytest.raises(RequestTooLarge, match=r"p:'oops' needs 7\.8 KiB"):
             await cache.acquire("oops", load=plugin.load(8), measure=lambda v: 8000)
     assert broker.export_sizes()["p"]["oops"] == {"default": 8000}
+
+
+@pytest.mark.parametrize(
+    ("budget", "settings", "reserved"),
+    [
+        # A probed space's limit is known once its probe is read, after sizes= are.
+        ({"gpu": Probe(lambda: (1000, 1000))}, {}, {"gpu": 400}),
+        # Spaces given as one memory are merged after sizes= are: 500 fits the two.
+        ({"gpu": 1000, "b": 300}, {"aliases": [["gpu", "b"]]}, {"gpu": 500}),
+        # A size beyond the limit is its key's own; the largest within it counts.
+        ({"gpu": 1000}, {}, {"gpu": 400}),
+    ],
+    ids=["probed", "aliased", "oversize"],
+)
+async def test_a_load_of_unknown_size_reserves_the_largest_size_within_todays_limits(
+    budget: dict[str, Any], settings: dict[str, Any], reserved: dict[str, int]
+) -> None:
+    sizes = {"p": {"big": {"gpu": 400}, "other": {"b": 500}, "oops": {"gpu": 5000}}}
+    if "b" not in budget:
+        del sizes["p"]["other"]
+    async with Broker(budget, sizes=sizes, **settings) as broker:
+        async with broker.cache("p", Recorder()) as cache:
+            gate = anyio.Event()
+
+            async def slow() -> bytes:
+                await gate.wait()
+                return b"x"
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(once, cache.acquire("new", load=slow, measure=lambda v: {"gpu": 1}))
+                await wait_until(lambda: broker.stats_nowait().loading == 1)
+                (entry,) = await broker.entries()
+                assert entry.charge == reserved
+                gate.set()
 
 
 async def test_sizes_exported_by_one_broker_are_reserved_by_the_next(kind: str) -> None:

@@ -352,16 +352,39 @@ def hurry(books: Books, entry: Entry) -> None:
 def pass_gate(books: Books, entry: Entry) -> None:
     """Queue a load of unknown size, reserving the largest size its cache has measured."""
     entry.gated = False
-    largest = books.largest.get(entry.owner.name)
-    if largest:
-        estimate = canonical(books.canon, largest) if books.canon else largest
-        # An estimate is never a reason to refuse: keep it within reach.
-        entry.need = {
-            name: min(amount, books.spaces[name].attainable)
-            for name, amount in estimate.items()
-            if min(amount, books.spaces[name].attainable) > 0
-        }
+    estimate = _estimate(books, entry.owner.name)
+    # An estimate is never a reason to refuse: keep it within reach.
+    entry.need = {
+        name: min(amount, books.spaces[name].attainable)
+        for name, amount in estimate.items()
+        if min(amount, books.spaces[name].attainable) > 0
+    }
     enqueue(books, entry)
+
+
+def _estimate(books: Books, cache: str) -> dict[str, int]:
+    """The largest size ``cache`` has measured in each space, within the space's limit.
+
+    A size beyond a limit (a measure in the wrong unit, once) was refused and
+    stays its key's own: reserved, even capped at the limit, it would evict
+    the whole space for every other load of unknown size. There the largest of
+    the cache's remembered sizes within the limit counts instead, by the
+    limits of now (probes and merged spaces change them).
+    """
+    largest = books.largest.get(cache)
+    if not largest:
+        return {}
+    estimate = canonical(books.canon, largest) if books.canon else dict(largest)
+    over = {name: 0 for name, amount in estimate.items() if amount > books.spaces[name].limit}
+    if over:
+        for (owner, _), charge in books.sizes.items():
+            if owner != cache:
+                continue
+            for name, amount in canonical(books.canon, charge).items():
+                if name in over and over[name] < amount <= books.spaces[name].limit:
+                    over[name] = amount
+        estimate.update(over)
+    return estimate
 
 
 def open_gate(books: Books, entry: Entry) -> bool:
@@ -374,19 +397,11 @@ def open_gate(books: Books, entry: Entry) -> bool:
 
 
 def remember_size(books: Books, cache: str, key: Hashable, charge: Mapping[str, int]) -> None:
-    """Remember the measured size of ``key`` in ``cache`` (``Books.remember``).
-
-    The key keeps it even beyond a space's limit (its next request is refused
-    before its loader runs), but such a size is no estimate for the cache's
-    other loads of unknown size: reserving it (capped at the limit) would
-    evict the whole space for each of them.
-    """
+    """Remember the measured size of ``key`` in ``cache`` (``Books.remember``), and the
+    largest its cache has measured in each space (``_estimate``)."""
     keep(books.sizes, (cache, key), dict(charge))
     largest = books.largest.setdefault(cache, {})
     for name, amount in charge.items():
-        space = books.spaces.get(books.canon.get(name, name))
-        if space is not None and amount > space.limit:
-            continue
         if amount > largest.get(name, 0):
             largest[name] = amount
 

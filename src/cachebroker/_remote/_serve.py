@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -195,11 +196,12 @@ async def _serve(daemon: Daemon) -> None:
             for name, space in daemon.runner.core.spaces.items()
         )
         pid = os.getpid()
-        print(
-            f"cachebroker serve: listening on {daemon.address} (pid {pid}, budget {budget})",
-            file=sys.stderr,
-            flush=True,
-        )
+        with contextlib.suppress(OSError):  # (no stderr to say it on: it serves all the same)
+            print(
+                f"cachebroker serve: listening on {daemon.address} (pid {pid}, budget {budget})",
+                file=sys.stderr,
+                flush=True,
+            )
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 break

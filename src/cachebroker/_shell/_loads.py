@@ -288,7 +288,8 @@ class Loads:
             released = [v.shell.released for v in chosen if v.shell.released is not None]
         if not victims:
             return None
-        steps.emit(
+        self._announce(
+            entry,
             "warning",
             ev.LOAD_RETRY,
             cache=entry.owner.name,
@@ -392,9 +393,10 @@ class Loads:
         slot: Slot = entry.shell
         slot.released = anyio.Event()
         slot.release_started = steps.clock()
-        steps.emit("info", ev.LOAD_CANCELLED, cache=entry.owner.name, key=entry.key)
+        self._announce(entry, "info", ev.LOAD_CANCELLED, cache=entry.owner.name, key=entry.key)
         steps.core.load_abandoned(entry)
-        steps.emit(
+        self._announce(
+            entry,
             "info",
             ev.RELEASE_REQUESTED,
             cache=entry.owner.name,
@@ -438,7 +440,8 @@ class Loads:
         if inspect.iscoroutine(value):
             value.close()
         if call.error is not None:
-            self._steps.emit(
+            self._announce(
+                entry,
                 "warning",
                 ev.LOAD_FAILED,
                 cache=entry.owner.name,
