@@ -39,7 +39,7 @@ pytestmark = [
 
 SIZES = {"m0": 4_000, "m1": 3_000, "m2": 3_000, "m3": 2_000, "m4": 2_000}  # 14 kB in all
 BUDGET = 6_000  # per replica: 12 kB for 2 replicas, so the 5 models never all fit
-ROUTING_ROUNDS = 50  # of 20 requests each: how long the router may take to hear
+ROUTING_ROUNDS = 150  # of 20 requests each (a round takes 0.2-0.5 s): the router's time to hear
 
 
 def free_port() -> int:
