@@ -139,7 +139,8 @@ class Actor(Protocol):
 
     @property
     def log(self) -> Any:
-        """Where the events go (a structlog logger, or ``_logging.StdlibEvents``)."""
+        """Where the events go (``_logging.Guarded`` around a structlog logger or a
+        ``_logging.StdlibEvents``)."""
 
     @property
     def idle_ttl(self) -> float | None:
