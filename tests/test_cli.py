@@ -14,8 +14,13 @@ import cachebroker
 SOURCE = str(Path(cachebroker.__file__).resolve().parent.parent)
 
 
+def child_env() -> dict[str, str]:
+    """This environment, with the package under test first on the child's path."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([SOURCE, os.environ.get("PYTHONPATH", "")])}
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SOURCE, os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     return subprocess.run(
         [sys.executable, "-m", "cachebroker", *args],
         capture_output=True,
@@ -48,7 +53,7 @@ def test_version_names_the_package_and_its_version() -> None:
 
 def test_a_reader_gone_before_the_output_ends_the_command_quietly() -> None:
     """``cachebroker demo | head -1``: no traceback, the status of a tool SIGPIPE stopped."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SOURCE, os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     reader, writer = os.pipe()
     os.close(reader)  # (gone before the first write: every write finds the pipe closed)
     try:
@@ -70,7 +75,7 @@ def test_a_reader_gone_before_the_output_ends_the_command_quietly() -> None:
 def test_serve_with_its_stderr_closed_serves_all_the_same(tmp_path: Path) -> None:
     """Nobody reads the daemon's stderr (its reader gone before the banner): it serves,
     answers ``ps`` and stops cleanly on SIGTERM."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SOURCE, os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     socket = str(tmp_path / "s.sock")
     reader, writer = os.pipe()
     os.close(reader)

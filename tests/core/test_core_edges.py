@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from cachebroker import DeadlockError, OutOfSpace, RequestTooLarge
-from cachebroker._core import FAIR_REQUESTS, Reason, Request, State
+from cachebroker._core import FAIR_REQUESTS, Reason, Request, State, Ticket
 from tests.harness import Harness
 
 
@@ -19,6 +19,15 @@ def resident(h: Harness, key: str, size: int) -> None:
     ticket = h.acquire(key, size)
     h.finish(ticket.entry)
     h.end(ticket)
+
+
+def measured(h: Harness, key: str, size: int) -> Ticket:
+    """Load ``key`` of unknown size, measured as ``size`` bytes, and end its lease."""
+    ticket = h.core.request(h.owner, Request(key), "t")
+    h.drain()
+    h.finish(ticket.entry, "v", measured={"m": size})
+    h.end(ticket)
+    return ticket
 
 
 # ------------------------------------------------------------ measured sizes
@@ -48,10 +57,7 @@ def test_loads_of_unknown_size_run_one_at_a_time() -> None:
 
 def test_unknown_load_reserves_largest_measured_size_and_evicts_for_it() -> None:
     h = Harness({"m": 100})
-    a = h.core.request(h.owner, Request("a"), "t")
-    h.drain()
-    h.finish(a.entry, measured={"m": 60})
-    h.end(a)
+    measured(h, "a", 60)
     b = h.core.request(h.owner, Request("b"), "t")
     h.drain()
     # b's size is unknown: it reserves 60 (the largest measured), so a must go first.
@@ -65,10 +71,7 @@ def test_unknown_load_reserves_largest_measured_size_and_evicts_for_it() -> None
 
 def test_measured_size_is_remembered_across_evictions_and_reserved() -> None:
     h = Harness({"m": 100})
-    a = h.core.request(h.owner, Request("a"), "t")
-    h.drain()
-    h.finish(a.entry, "v", measured={"m": 45})
-    h.end(a)
+    a = measured(h, "a", 45)
     assert h.core.sizes[("p", "a")] == {"m": 45}
     h.core.invalidate(h.owner, "a")
     h.drain()
@@ -79,10 +82,7 @@ def test_measured_size_is_remembered_across_evictions_and_reserved() -> None:
 
 def test_a_measured_size_beyond_the_limit_is_the_keys_alone_not_the_caches_estimate() -> None:
     h = Harness({"m": 100})
-    a = h.core.request(h.owner, Request("a"), "t")
-    h.drain()
-    h.finish(a.entry, measured={"m": 10})
-    h.end(a)
+    measured(h, "a", 10)
     oops = h.core.request(h.owner, Request("oops"), "t")
     h.drain()
     h.finish(oops.entry, measured={"m": 800})  # (a measure in the wrong unit, say)
